@@ -1,0 +1,212 @@
+"""The engine contract: request and output types, capacity, and the :class:`Engine` protocol.
+
+It mirrors what SGLang offers and what Dynamo's backends promise. Requests follow Dynamo's
+``PreprocessedRequest`` (token ids in, token ids out); outputs carry only the *new* token ids of
+each step (SGLang's incremental streaming), a normalised finish reason, and usage on the last one.
+
+These are ``msgspec`` structs: they sit on the hot path and cross process boundaries.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import msgspec
+
+__all__ = [
+    "BootstrapInfo",
+    "Capacity",
+    "Engine",
+    "EngineOutput",
+    "FinishReason",
+    "HealthPayload",
+    "MemoryTag",
+    "PauseMode",
+    "PreprocessedRequest",
+    "RoutingHints",
+    "SamplingOptions",
+    "StopConditions",
+    "Usage",
+    "normalize_finish_reason",
+]
+
+
+class PauseMode(enum.Enum):
+    """How ``pause`` treats running requests (SGLang's ``PauseGenerationReqInput.mode``)."""
+
+    ABORT = "abort"  # abort and return every in-flight request
+    RETRACT = "retract"  # requeue running requests; their KV may be flushed
+    IN_PLACE = "in_place"  # keep running requests and their KV where they are
+
+
+class MemoryTag(enum.Enum):
+    """What ``release_memory`` / ``resume_memory`` act on (SGLang's memory-saver tags)."""
+
+    KV_CACHE = "kv_cache"
+    WEIGHTS = "weights"
+    CUDA_GRAPH = "cuda_graph"
+
+
+DEFAULT_RELEASE_TAGS: frozenset[MemoryTag] = frozenset({MemoryTag.KV_CACHE, MemoryTag.WEIGHTS})
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+
+class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    guided_decoding: dict[str, object] | None = None
+
+
+class BootstrapInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """SGLang's disaggregation bootstrap triple: the prefill worker's endpoint and a room."""
+
+    host: str
+    port: int
+    room: int
+
+
+class RoutingHints(msgspec.Struct, kw_only=True, omit_defaults=True):
+    dp_rank: int | None = None
+    priority: int | None = None
+
+
+class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A tokenised request, as Dynamo's frontend hands it to a worker.
+
+    ``rid`` is submitted to the engine as its request id, so an abort is addressable before the
+    first token.
+    """
+
+    rid: str
+    token_ids: list[int]
+    stop_conditions: StopConditions = msgspec.field(default_factory=StopConditions)
+    sampling_options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    bootstrap_info: BootstrapInfo | None = None
+    routing: RoutingHints | None = None
+    model: str | None = None
+    health_check: bool = False
+
+
+class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One step of a generation stream: the *new* token ids only.
+
+    The terminal output has ``finish_reason`` set and carries ``usage``; ``error`` holds the
+    message when ``finish_reason == "error"``. A prefill worker's first output carries
+    ``disaggregated_params`` (the bootstrap triple decode needs).
+    """
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    disaggregated_params: BootstrapInfo | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Capacity(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``Engine.start`` reports; the router and registration use it."""
+
+    total_kv_blocks: int
+    block_size: int
+    max_running_requests: int
+    max_batch_tokens: int
+    context_length: int
+    dp_size: int = 1
+    bootstrap: BootstrapInfo | None = None  # room unused (0); set on prefill workers
+    kv_events_endpoints: tuple[str, ...] = ()  # one per data-parallel rank
+    metrics_endpoint: str | None = None
+
+
+class HealthPayload(msgspec.Struct, frozen=True, kw_only=True):
+    """The role's minimal canary request (sent as a ``PreprocessedRequest``)."""
+
+    request: PreprocessedRequest
+
+
+def normalize_finish_reason(raw: str | None) -> tuple[FinishReason | None, str | None]:
+    """Normalise an engine finish reason the way Dynamo does.
+
+    Any reason starting with ``abort`` becomes ``cancelled``; ``error`` or ``error: msg`` becomes
+    ``error`` with the message; ``stop`` and ``length`` pass through.
+    """
+    if raw is None:
+        return None, None
+    if raw.startswith("abort"):
+        return "cancelled", None
+    if raw == "error":
+        return "error", "backend error"
+    if raw.startswith("error:"):
+        return "error", raw.removeprefix("error:").strip() or "backend error"
+    if raw in ("stop", "length"):
+        return raw, None  # type: ignore[return-value]
+    return "stop", None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The contract every backend (mock, sglang, hf) implements.
+
+    ``cleanup`` is idempotent and runs its work exactly once, also when ``start`` raised.
+    Synchronous engine calls (SGLang's ``release_memory_occupation`` and friends) must never block
+    the event loop: backends run them in a worker thread.
+    """
+
+    async def start(self) -> Capacity: ...
+
+    def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        """Stream the outputs of ``request``. Closing the iterator early aborts the request."""
+        ...
+
+    async def abort(self, rid: str) -> None:
+        """Abort ``rid`` in any phase, before its first token too; frees its KV."""
+        ...
+
+    async def pause(self, mode: PauseMode) -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+    async def release_memory(self, tags: Sequence[MemoryTag]) -> None: ...
+
+    async def resume_memory(self, tags: Sequence[MemoryTag]) -> None: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    def is_quiescent(self) -> bool:
+        """True when no request is running or owed (prefill: no KV transfer outstanding)."""
+        ...
+
+    def health_payload(self) -> PreprocessedRequest: ...
+
+    async def cleanup(self) -> None: ...

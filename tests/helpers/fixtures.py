@@ -1,0 +1,1 @@
+"""Shared pytest fixtures (imported by tests/conftest.py)."""
