@@ -1,0 +1,225 @@
+"""One incarnation of an actor: its task group, mailbox loop, stream pumps and teardown.
+
+Supervisors create an :class:`Incarnation` per (re)start and run :meth:`Incarnation.run` as a
+task. The incarnation reports readiness through ``ready`` and its exit through ``on_exit``, which
+returns the state the ref moves to (restarting or dead) before any monitor is told.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from actors._actor import Actor, Exit, LinkedExit, deliver_notice
+from actors._backend import Reply, backend
+from actors._errors import ActorCrashed, ReplyError, StreamCancelled
+from actors._exit import ExitReason
+from actors._mailbox import ASK, STREAM, TELL, Mailbox
+from actors._ref import ActorRef, Cell, CellState, crash_error
+from actors._stream import StreamChannel
+
+__all__ = ["OWNER_GONE", "Incarnation", "unwrap_error"]
+
+OWNER_GONE = ExitReason.killed("owner cancelled")
+"""The exit reason of an incarnation cancelled from outside (its owner is going away)."""
+
+# Messages handled back to back before yielding to other tasks, so a flooded actor cannot
+# starve the event loop.
+_FAIRNESS = 64
+_ids = itertools.count(1)
+
+OnExit = Callable[[ExitReason], CellState]
+
+
+def unwrap_error(exc: BaseException) -> BaseException:
+    """The single error inside nested exception groups (anyio task groups always wrap)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+class Incarnation:
+    """The running state of one start of an actor."""
+
+    def __init__(self, actor: Actor, ref: ActorRef[Any]) -> None:
+        self.actor = actor
+        self.ref = ref
+        self.backend = backend()
+        self.mailbox = Mailbox(self.backend, actor.mailbox_capacity)
+        self.ready: Reply = self.backend.reply()
+        self.finished = anyio.Event()
+        self.kill_scope = anyio.CancelScope()
+        self.stop_reason: ExitReason | None = None
+        self.kill_reason: ExitReason | None = None
+        self.exit_reason: ExitReason | None = None
+        self.channels: set[StreamChannel] = set()
+        self.task_group: anyio.abc.TaskGroup
+        self._reply_errors = (ReplyError, *actor.reply_errors)
+        actor._runtime = self
+
+    # -- control, from any task ------------------------------------------------------------
+
+    def request_stop(self, reason: ExitReason) -> None:
+        """Graceful: finish the current message and the running streams, then exit."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.mailbox.wake()
+
+    def kill(self, reason: ExitReason) -> None:
+        """Forced: cancel everything now; ``stopping`` does not run."""
+        if self.kill_reason is None and self.exit_reason is None:
+            self.kill_reason = reason
+            self.kill_scope.cancel()
+
+    def watch(self, ref: ActorRef[Any], notice: Callable[[ExitReason], Any]) -> int:
+        monitor_id = next(_ids)
+        cell = ref._cell
+        if cell.state is CellState.RUNNING:
+            cell.listeners[monitor_id] = lambda reason: deliver_notice(self, notice(reason))
+        else:
+            deliver_notice(self, notice(cell.last_exit or ExitReason.killed("noproc")))
+        return monitor_id
+
+    def link(self, ref: ActorRef[Any]) -> None:
+        other = ref._cell
+        if other.state is not CellState.RUNNING:
+            self.linked_exit(ref, other.last_exit or ExitReason.killed("noproc"))
+            return
+        other.listeners[next(_ids)] = lambda reason: self.linked_exit(ref, reason)
+        peer = other.runtime
+        if peer is not None:
+            me = self.ref
+            self.ref._cell.listeners[next(_ids)] = lambda reason: peer.linked_exit(me, reason)
+
+    def linked_exit(self, ref: ActorRef[Any], reason: ExitReason) -> None:
+        if reason.kind == "normal" or self.exit_reason is not None:
+            return
+        if self.actor.trap_exits:
+            deliver_notice(self, Exit(ref, reason))
+        else:
+            self.kill(ExitReason.from_error(LinkedExit(ref, reason)))
+
+    # -- the task ---------------------------------------------------------------------------
+
+    async def run(self, cell: Cell, on_exit: OnExit) -> None:
+        """Start the actor, serve its mailbox until it exits, then tear down."""
+        reason = ExitReason.normal()
+        bound = stopping_ran = False
+        try:
+            with self.kill_scope:
+                try:
+                    async with anyio.create_task_group() as tg:
+                        self.task_group = tg
+                        try:
+                            await self.actor.started()
+                        except Exception as exc:
+                            self.ready.fail(exc)
+                            tg.cancel_scope.cancel()
+                            return
+                        cell.bind(self.mailbox, self.backend, self)
+                        bound = True
+                        self.ready.set(self.ref)
+                        async with anyio.create_task_group() as streams:
+                            reason = await self._serve(streams)
+                        stopping_ran = True
+                        await self.actor.stopping(reason)
+                        tg.cancel_scope.cancel()
+                except Exception as exc:
+                    reason = ExitReason.from_error(unwrap_error(exc))
+                    if bound and not stopping_ran:
+                        await self._stopping_after_crash(reason)
+            if self.kill_scope.cancelled_caught:
+                reason = self.kill_reason or ExitReason.killed()
+                if not bound:
+                    self.ready.fail(ActorCrashed(self.ref.name, reason))
+        except BaseException:
+            # Cancelled from outside (the owner is going away).
+            reason = self.kill_reason or OWNER_GONE
+            if not bound:
+                self.ready.fail(ActorCrashed(self.ref.name, reason))
+            raise
+        finally:
+            self.exit_reason = reason
+            self._fail_pending(reason)
+            if bound:
+                cell.unbind(reason, on_exit(reason))
+            self.finished.set()
+
+    async def _stopping_after_crash(self, reason: ExitReason) -> None:
+        try:
+            await self.actor.stopping(reason)
+        except Exception:  # noqa: S110 - the crash reason is the one that matters
+            pass
+
+    async def _serve(self, streams: anyio.abc.TaskGroup) -> ExitReason:
+        mailbox = self.mailbox
+        items = mailbox.items
+        receive = self.actor.receive
+        reply_errors = self._reply_errors
+        budget = _FAIRNESS
+        while self.stop_reason is None:
+            if not items:
+                await mailbox.wait_nonempty()
+                continue
+            kind, message, extra = mailbox.pop()
+            if kind == ASK:
+                try:
+                    result = await receive(message)
+                except reply_errors as exc:
+                    extra.fail(exc)
+                except Exception as exc:
+                    extra.fail(ActorCrashed(self.ref.name, ExitReason.from_error(exc)))
+                    raise
+                except BaseException:
+                    extra.fail(ActorCrashed(self.ref.name, ExitReason.killed()))
+                    raise
+                else:
+                    extra.set(result)
+            elif kind == TELL:
+                try:
+                    await receive(message)
+                except reply_errors:
+                    pass  # a reply error to a tell has nobody to go to
+            elif kind == STREAM:
+                streams.start_soon(self._pump, message, extra)
+            budget -= 1
+            if not budget:
+                budget = _FAIRNESS
+                await anyio.lowlevel.checkpoint()
+        return self.stop_reason
+
+    async def _pump(self, message: Any, channel: StreamChannel) -> None:
+        self.channels.add(channel)
+        try:
+            with anyio.CancelScope() as scope:
+                channel.producer_scope = scope
+                if channel.cancelled:
+                    return
+                async with aclosing(self.actor.receive_stream(message)) as replies:
+                    async for reply in replies:
+                        await channel.send(reply)
+                channel.finish()
+        except self._reply_errors as exc:
+            channel.fail(exc)
+        except StreamCancelled:
+            pass
+        except Exception as exc:
+            channel.fail(ActorCrashed(self.ref.name, ExitReason.from_error(exc)))
+            raise
+        finally:
+            self.channels.discard(channel)
+
+    def _fail_pending(self, reason: ExitReason) -> None:
+        error = crash_error(self.ref.name, reason)
+        for kind, _, extra in self.mailbox.close():
+            if kind in (ASK, STREAM):
+                extra.fail(error)
+        for channel in list(self.channels):
+            channel.fail(error)
+        self.channels.clear()

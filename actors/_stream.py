@@ -1,0 +1,146 @@
+"""Reply streams: a request, then a stream of replies with back-pressure.
+
+The producing handler runs as its own task in the actor; it blocks in :meth:`StreamChannel.send`
+once ``buffer`` replies wait unread. The consumer closing the stream early cancels the producer
+(so an engine's generator sees the cancellation and aborts its request). A stream always ends
+with its terminal item or a typed error, never silently.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from actors._backend import Backend
+from actors._errors import StreamCancelled
+
+if TYPE_CHECKING:
+    import anyio
+
+__all__ = ["ReplyStream", "StreamChannel"]
+
+T = TypeVar("T")
+
+
+class StreamChannel:
+    """The buffer between one producing handler and one consumer."""
+
+    __slots__ = (
+        "_buffer",
+        "_consumer",
+        "_producer",
+        "capacity",
+        "cancelled",
+        "error",
+        "finished",
+        "producer_scope",
+    )
+
+    def __init__(self, backend: Backend, capacity: int) -> None:
+        self._buffer: deque[Any] = deque()
+        self.capacity = max(1, capacity)
+        self._consumer = backend.parking()
+        self._producer = backend.parking()
+        self.finished = False
+        self.cancelled = False
+        self.error: BaseException | None = None
+        self.producer_scope: anyio.CancelScope | None = None
+
+    # -- producer side --------------------------------------------------------------------
+
+    async def send(self, item: Any) -> None:
+        while len(self._buffer) >= self.capacity and not self.cancelled:
+            await self._producer.park()
+        if self.cancelled:
+            raise StreamCancelled("the consumer closed the stream")
+        self._buffer.append(item)
+        self._consumer.unpark()
+
+    def finish(self) -> None:
+        self.finished = True
+        self._consumer.unpark()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self.error = error
+            self.finished = True
+            self._consumer.unpark()
+
+    # -- consumer side --------------------------------------------------------------------
+
+    async def receive(self) -> Any:
+        """The next reply; ``StopAsyncIteration`` at the end; the producer's error if it failed."""
+        buffer = self._buffer
+        while not buffer:
+            if self.finished:
+                if self.error is not None:
+                    raise self.error
+                raise StopAsyncIteration
+            await self._consumer.park()
+        item = buffer.popleft()
+        self._producer.unpark()
+        return item
+
+    def cancel(self) -> None:
+        """The consumer is gone: stop the producer."""
+        if self.finished and not self._buffer:
+            return
+        self.cancelled = True
+        self.finished = True
+        self._buffer.clear()
+        self._producer.unpark()
+        if self.producer_scope is not None:
+            self.producer_scope.cancel()
+
+
+class ReplyStream(Generic[T]):
+    """What :meth:`ActorRef.stream` returns: an async iterator, best used as a context manager
+    so an early exit cancels the producer at once::
+
+        async with ref.stream(request) as replies:
+            async for reply in replies:
+                ...
+    """
+
+    __slots__ = ("_channel", "_open")
+
+    def __init__(self, channel: StreamChannel) -> None:
+        self._channel = channel
+        self._open = True
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        try:
+            item: T = await self._channel.receive()
+        except BaseException:
+            self._open = False
+            raise
+        return item
+
+    async def receive(self) -> T:
+        """The next reply (``StopAsyncIteration`` at the end)."""
+        return await self.__anext__()
+
+    def close(self) -> None:
+        """Stop consuming; the producing handler is cancelled if still running."""
+        if self._open:
+            self._open = False
+            self._channel.cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> ReplyStream[T]:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,65 @@
+"""The seam between the HTTP frontend and whatever serves the requests (router, request streams)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Literal, Protocol, runtime_checkable
+
+import attrs
+from prometheus_client import CollectorRegistry
+
+from protocols.engine import EngineOutput, PreprocessedRequest
+
+from ._tokenizer import Tokenizer
+
+__all__ = ["Backend", "EndpointStatus", "ModelInfo"]
+
+EndpointStatus = Literal["ready", "notready"]
+
+
+@attrs.frozen
+class ModelInfo:
+    """A served model as the frontend sees it."""
+
+    name: str
+    context_length: int
+    tokenizer: Tokenizer
+    #: Unix time shown as ``created`` in ``/v1/models``.
+    created: int = 0
+    owned_by: str = "actorserve"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the frontend calls; the root process's router and request-stream actors implement it.
+
+    Cancellation contract: when the client goes away (or a stop string ends the answer early) the
+    frontend stops consuming the iterator that :meth:`generate` returned. Either the task awaiting
+    ``__anext__`` is cancelled (the cancellation surfaces inside the iterator), or the iterator is
+    closed with ``aclose()`` (async generators see ``GeneratorExit``). Both mean "the client
+    cancelled": abort the engine request, free its KV, never migrate. ``aclose()`` runs shielded
+    from cancellation for a few seconds, so cleanup that must await (sending the abort) can.
+    """
+
+    def models(self) -> list[ModelInfo]:
+        """The models served now (cheap: called on every request)."""
+        ...
+
+    def generate(self, model: str, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        """Stream the outputs of ``request`` on ``model``.
+
+        Outputs carry the new token ids only; the last has ``finish_reason`` (and ``usage``).
+        Failures raise :class:`~protocols.errors.RequestError` subclasses, from this call or from
+        the iterator: raised before the first output they become the HTTP status; after it, an SSE
+        ``error`` event. A stream that ends without a finish reason is reported as truncated.
+        """
+        ...
+
+    def health(self) -> Mapping[str, EndpointStatus]:
+        """Readiness per endpoint (e.g. ``{"generate": "ready"}``); ready iff all are ready."""
+        ...
+
+    def metrics_registry(self) -> CollectorRegistry | None:
+        """A registry of the backend's own metrics to expose on ``/metrics`` too, or ``None``
+        when they already live on the registry given to :func:`create_app`."""
+        ...

@@ -1,0 +1,220 @@
+"""Response bodies and SSE frames, encoded with msgspec.
+
+This is the per-chunk hot path: no pydantic here. A renderer is built once per request (id, model,
+created) and turns text deltas into ready-to-send SSE frames; the shapes match OpenAI's and the
+documentation models in ``_openai_types.py``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from sse_starlette import ServerSentEvent
+
+from protocols.engine import Usage
+
+__all__ = ["DONE_FRAME", "ChatRenderer", "CompletionRenderer", "Renderer", "error_frame"]
+
+_encode = msgspec.json.encode
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+class _PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: _PromptTokensDetails | None = None
+
+
+def _usage(usage: Usage) -> _Usage:
+    details = None if usage.cached_tokens is None else _PromptTokensDetails(usage.cached_tokens)
+    return _Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, details)
+
+
+# Chat ---------------------------------------------------------------------------------------
+
+
+class _ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class _ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: _ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class _ChatChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[_ChatChunkChoice]
+    # UNSET: no "usage" key at all (the client did not ask); None: "usage": null, as OpenAI
+    # sends on every chunk but the last when stream_options.include_usage is set.
+    usage: _Usage | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class _ChatMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class _ChatChoice(msgspec.Struct):
+    index: int
+    message: _ChatMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class _ChatCompletion(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[_ChatChoice]
+    usage: _Usage
+
+
+# Completions --------------------------------------------------------------------------------
+
+
+class _CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class _CompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[_CompletionChoice]
+    usage: _Usage | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class _Completion(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[_CompletionChoice]
+    usage: _Usage
+
+
+def _frame(body: bytes) -> bytes:
+    # msgspec escapes newlines inside strings, so one JSON document is always one "data:" line.
+    return b"data: " + body + b"\n\n"
+
+
+class Renderer:
+    """Renders one request's stream frames and its non-streaming body."""
+
+    __slots__ = ("created", "id", "include_usage", "model")
+
+    def __init__(self, id: str, model: str, created: int, *, include_usage: bool) -> None:
+        self.id = id
+        self.model = model
+        self.created = created
+        self.include_usage = include_usage
+
+    def start(self) -> bytes | None:
+        """The frame that opens a stream, if the API has one."""
+        raise NotImplementedError
+
+    def delta(self, text: str, finish_reason: str | None = None) -> bytes:
+        """A frame with new text, and the finish reason on the last one."""
+        raise NotImplementedError
+
+    def usage(self, usage: Usage) -> bytes:
+        """The usage frame (``choices: []``) sent after the last one when asked for."""
+        raise NotImplementedError
+
+    def body(self, text: str, finish_reason: str, usage: Usage) -> bytes:
+        """The whole non-streaming response."""
+        raise NotImplementedError
+
+    def _chunk_usage(self) -> None | msgspec.UnsetType:
+        return None if self.include_usage else msgspec.UNSET
+
+
+class ChatRenderer(Renderer):
+    """``chat.completion.chunk`` frames and the ``chat.completion`` body."""
+
+    __slots__ = ()
+
+    def start(self) -> bytes | None:
+        choice = _ChatChunkChoice(0, _ChatDelta(role="assistant", content=""))
+        return self._chunk(choice)
+
+    def delta(self, text: str, finish_reason: str | None = None) -> bytes:
+        delta = _ChatDelta(content=text) if text else _ChatDelta()
+        return self._chunk(_ChatChunkChoice(0, delta, None, finish_reason))
+
+    def _chunk(self, choice: _ChatChunkChoice) -> bytes:
+        chunk = _ChatChunk(
+            self.id,
+            "chat.completion.chunk",
+            self.created,
+            self.model,
+            [choice],
+            self._chunk_usage(),
+        )
+        return _frame(_encode(chunk))
+
+    def usage(self, usage: Usage) -> bytes:
+        chunk = _ChatChunk(
+            self.id, "chat.completion.chunk", self.created, self.model, [], _usage(usage)
+        )
+        return _frame(_encode(chunk))
+
+    def body(self, text: str, finish_reason: str, usage: Usage) -> bytes:
+        choice = _ChatChoice(0, _ChatMessage("assistant", text), None, finish_reason)
+        return _encode(
+            _ChatCompletion(
+                self.id, "chat.completion", self.created, self.model, [choice], _usage(usage)
+            )
+        )
+
+
+class CompletionRenderer(Renderer):
+    """``text_completion`` frames and body."""
+
+    __slots__ = ()
+
+    def start(self) -> bytes | None:
+        return None
+
+    def delta(self, text: str, finish_reason: str | None = None) -> bytes:
+        choice = _CompletionChoice(0, text, None, finish_reason)
+        chunk = _CompletionChunk(
+            self.id, "text_completion", self.created, self.model, [choice], self._chunk_usage()
+        )
+        return _frame(_encode(chunk))
+
+    def usage(self, usage: Usage) -> bytes:
+        chunk = _CompletionChunk(
+            self.id, "text_completion", self.created, self.model, [], _usage(usage)
+        )
+        return _frame(_encode(chunk))
+
+    def body(self, text: str, finish_reason: str, usage: Usage) -> bytes:
+        choice = _CompletionChoice(0, text, None, finish_reason)
+        return _encode(
+            _Completion(
+                self.id, "text_completion", self.created, self.model, [choice], _usage(usage)
+            )
+        )
+
+
+def error_frame(error_body: bytes) -> bytes:
+    """An SSE ``error`` event carrying an OpenAI error object (sent once, not on the hot path)."""
+    return ServerSentEvent(error_body.decode(), event="error", sep="\n").encode()

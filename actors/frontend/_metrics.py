@@ -1,0 +1,173 @@
+"""Frontend Prometheus metrics, in the spirit of Dynamo's ``dynamo_frontend_*`` families.
+
+All live on the registry the caller passes in (the process's telemetry registry), prefixed
+``actorserve_frontend_``. ``model`` is the served model's name, or ``""`` when the request named
+no served model (so bad requests cannot blow up the label cardinality).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["FrontendMetrics", "RequestMetrics"]
+
+_PREFIX = "actorserve_frontend"
+
+# Latency buckets from sub-millisecond (mock engines, cached prefixes) to minutes (long answers).
+_TTFT_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+)  # fmt: skip
+_DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class FrontendMetrics:
+    """The frontend's metric families, registered once on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def name(n: str) -> str:
+            return f"{_PREFIX}_{n}"
+
+        self.requests = Counter(
+            name("requests"),
+            "Requests finished, by outcome (status: success, error, cancelled).",
+            ["model", "endpoint", "request_type", "status", "error_type"],
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            name("inflight_requests"),
+            "Requests being served now.",
+            ["model"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            name("time_to_first_token_seconds"),
+            "From the request's arrival to its first generated text.",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            name("inter_token_latency_seconds"),
+            "Time between streamed outputs, per token.",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            name("request_duration_seconds"),
+            "From the request's arrival to its last byte.",
+            ["model"],
+            buckets=_DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.input_tokens = Histogram(
+            name("input_sequence_tokens"),
+            "Prompt length in tokens.",
+            ["model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.output_tokens_hist = Histogram(
+            name("output_sequence_tokens"),
+            "Generated tokens per request.",
+            ["model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.output_tokens = Counter(
+            name("output_tokens"),
+            "Generated tokens, counted as they stream.",
+            ["model"],
+            registry=registry,
+        )
+        self.disconnected = Counter(
+            name("disconnected_clients"),
+            "Clients that went away before their response was complete.",
+            ["model"],
+            registry=registry,
+        )
+        self.cancellations = Counter(
+            name("cancellation"),
+            "Requests cancelled (client gone, server shutting down) before they finished.",
+            ["model"],
+            registry=registry,
+        )
+
+    def start(self, endpoint: str) -> RequestMetrics:
+        """Begin measuring one request (its clock starts now)."""
+        return RequestMetrics(self, endpoint)
+
+
+class RequestMetrics:
+    """One request's measurements; :meth:`done` records its outcome exactly once."""
+
+    __slots__ = (
+        "_done",
+        "_last",
+        "_m",
+        "_model",
+        "_output",
+        "endpoint",
+        "first_token_at",
+        "model",
+        "request_type",
+        "started",
+    )
+
+    def __init__(self, metrics: FrontendMetrics, endpoint: str) -> None:
+        self._m = metrics
+        self.endpoint = endpoint
+        self.model = ""
+        self.request_type = ""
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._last = self.started
+        self._output = 0
+        self._done = False
+        self._model: str | None = None
+
+    def admitted(self, model: str, request_type: str, prompt_tokens: int) -> None:
+        """The request names a served model and was tokenised: it now counts as in flight."""
+        self.model = model
+        self.request_type = request_type
+        self._model = model
+        self._m.inflight.labels(model).inc()
+        self._m.input_tokens.labels(model).observe(prompt_tokens)
+
+    def tokens(self, n: int) -> None:
+        """``n`` new tokens arrived (the hot path: two metric updates at most)."""
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        model = self.model
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self._m.ttft.labels(model).observe(now - self.started)
+        else:
+            self._m.itl.labels(model).observe((now - self._last) / n)
+        self._last = now
+        self._output += n
+        self._m.output_tokens.labels(model).inc(n)
+
+    def done(self, status: str, error_type: str = "", *, disconnected: bool = False) -> None:
+        """Record the outcome (``success``, ``error`` or ``cancelled``); later calls are no-ops."""
+        if self._done:
+            return
+        self._done = True
+        m, model = self._m, self.model
+        m.requests.labels(model, self.endpoint, self.request_type, status, error_type).inc()
+        if self._model is None:
+            return  # never admitted: nothing else was started for it
+        m.inflight.labels(model).dec()
+        m.duration.labels(model).observe(time.perf_counter() - self.started)
+        m.output_tokens_hist.labels(model).observe(self._output)
+        if status == "cancelled":
+            m.cancellations.labels(model).inc()
+        if disconnected:
+            m.disconnected.labels(model).inc()

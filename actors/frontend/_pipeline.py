@@ -1,0 +1,125 @@
+"""From engine outputs to client text: detokenisation, stop strings, finish reason, usage.
+
+Pure logic, no I/O: the HTTP layer feeds :class:`Choice` each :class:`EngineOutput` and sends what
+comes out. Stop strings are matched in the detokenised text (the engine sees token ids only):
+text that could still be the start of a stop string is held back ("jailed", in Dynamo's words)
+until it is known not to be; on a match the text is cut before the stop string, which is never
+sent, and the request finishes with ``stop``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from protocols.engine import EngineOutput, Usage
+from protocols.errors import EngineFailure, RequestCancelled
+
+from ._tokenizer import Detokenizer
+
+__all__ = ["Choice", "StopMatcher"]
+
+
+class StopMatcher:
+    """Finds stop strings across output boundaries, holding back possible prefixes."""
+
+    __slots__ = ("_held", "_stops")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """New text in; the text now safe to send out, and whether a stop string was found."""
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        cut = -1
+        for stop in self._stops:
+            i = buf.find(stop)
+            if i != -1 and (cut == -1 or i < cut):
+                cut = i
+        if cut != -1:
+            self._held = ""
+            return buf[:cut], True
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def release(self) -> str:
+        """The stream ended without a match: what was held back goes out after all."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, buf: str) -> int:
+        # The longest tail of buf that is a proper prefix of some stop string.
+        best = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buf)), best, -1):
+                if buf.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+
+class Choice:
+    """The state of one generated choice.
+
+    :meth:`on_output` returns the text to send for an output and the finish reason once the
+    choice is complete (``stop`` or ``length``). It raises :class:`~protocols.errors.RequestError`
+    for an output that ends the request badly (an engine error, a server-side abort).
+    """
+
+    __slots__ = ("_detok", "_min_tokens", "_stop", "completion_tokens", "prompt_tokens", "usage")
+
+    def __init__(
+        self,
+        detokenizer: Detokenizer,
+        *,
+        prompt_tokens: int,
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
+    ) -> None:
+        self._detok = detokenizer
+        self._stop = StopMatcher(stop)
+        self._min_tokens = min_tokens
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.usage: Usage | None = None
+
+    def on_output(self, out: EngineOutput) -> tuple[str, str | None]:
+        """Text to send for ``out`` and the finish reason if the choice is now complete."""
+        text = ""
+        if out.token_ids:
+            self.completion_tokens += len(out.token_ids)
+            text = self._detok.step(out.token_ids)
+            # Like vLLM, stop strings count only once min_tokens were generated.
+            if self.completion_tokens >= self._min_tokens:
+                text, stopped = self._stop.feed(text)
+                if stopped:
+                    return text, "stop"
+        if out.usage is not None:
+            self.usage = out.usage
+        reason = out.finish_reason
+        if reason is None:
+            return text, None
+        if reason == "error":
+            raise EngineFailure(out.error or "the engine failed the request")
+        if reason == "cancelled":
+            # The client did not cancel (it is still reading): the server aborted the request.
+            raise RequestCancelled("the request was aborted by the server")
+        tail, stopped = self._stop.feed(self._detok.flush())
+        text += tail
+        if stopped:
+            return text, "stop"
+        return text + self._stop.release(), reason
+
+    def final_usage(self) -> Usage:
+        """The engine's usage when it sent one, else the frontend's own count."""
+        if self.usage is not None and self.usage.completion_tokens >= self.completion_tokens:
+            return self.usage
+        cached = None if self.usage is None else self.usage.cached_tokens
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=cached,
+        )

@@ -1,0 +1,264 @@
+"""Tokenisation, chat templates and incremental detokenisation.
+
+Two implementations of :class:`Tokenizer`:
+
+- :class:`ByteTokenizer`, built in, for the mock engine: ids 0-255 are UTF-8 bytes, two special
+  ids (BOS, EOS), a plain-text chat template. Every other id (the mock's vocabulary is larger)
+  decodes deterministically to a printable syllable, so decoding never fails whatever the engine
+  sends.
+- :class:`HFTokenizer`: a Hugging Face tokenizer loaded from a local folder (or a ``.gguf`` file),
+  its own chat template, and ``tokenizers``' ``DecodeStream`` for streaming detokenisation.
+
+A :class:`Detokenizer` is per request: it turns batches of new token ids into new text and never
+emits half a UTF-8 sequence (it holds the bytes back until the character is complete).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from protocols.errors import InvalidRequest
+
+__all__ = ["ByteTokenizer", "Detokenizer", "HFTokenizer", "Tokenizer"]
+
+
+@runtime_checkable
+class Detokenizer(Protocol):
+    """Incremental detokeniser for one generation stream."""
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        """Feed the new ids of one output; return the text they complete ('' if none yet)."""
+        ...
+
+    def flush(self) -> str:
+        """The stream ended: return what is still held back (as U+FFFD for broken bytes)."""
+        ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the frontend needs from a model's tokenizer.
+
+    ``encode`` and ``apply_chat_template`` raise :class:`~protocols.errors.InvalidRequest` for input
+    they cannot tokenise (a template that rejects the conversation, text that is not Unicode).
+    """
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Ids that end a generation (sent to the engine as ``eos_token_ids``)."""
+        ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with BOS and friends when ``add_special_tokens``)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens skipped; never fails on unknown ids."""
+        ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of the conversation, ending with the assistant's generation prompt."""
+        ...
+
+    def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
+        """A fresh incremental detokeniser for a generation that continues ``prompt_ids``."""
+        ...
+
+
+# --- the built-in byte-level tokenizer ---------------------------------------------------------
+
+_CONSONANTS = "bdfghjklmnprstvz"
+_VOWELS = "aeiou"
+_SYLLABLES = tuple(c + v for c in _CONSONANTS for v in _VOWELS)
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer for the mock engine.
+
+    Ids 0-255 are the bytes of the UTF-8 text; ``BOS`` (256) and ``EOS`` (257) are special (never
+    decoded to text); any other id, negative ones included, decodes to a printable syllable chosen
+    by the id, with a space before every third one, so mock output reads like words.
+    """
+
+    BOS = 256
+    EOS = 257
+    #: Ids below this are bytes or special; ids from here on are syllables.
+    FIRST_WORD_ID = 258
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return [self.EOS]
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest("the text is not valid Unicode (lone surrogate)") from exc
+        ids = list(data)
+        return [self.BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        detok = _ByteDetokenizer()
+        return detok.step(token_ids) + detok.flush()
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        # A ChatML-like plain-text template: roles and separators are ordinary bytes, so the
+        # mock engine needs no extra special ids.
+        parts = [f"<|{m.get('role', 'user')}|>\n{m.get('content') or ''}<|end|>\n" for m in messages]
+        parts.append("<|assistant|>\n")
+        return self.encode("".join(parts))
+
+    def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
+        # Bytes carry no context across the prompt boundary, so the prompt is not needed.
+        return _ByteDetokenizer()
+
+
+def _word(token_id: int) -> str:
+    n = token_id - ByteTokenizer.FIRST_WORD_ID
+    syllable = _SYLLABLES[n % len(_SYLLABLES)]
+    return " " + syllable if (n // len(_SYLLABLES)) % 3 == 0 else syllable
+
+
+class _ByteDetokenizer:
+    __slots__ = ("_decoder",)
+
+    def __init__(self) -> None:
+        # errors="replace": invalid byte sequences become U+FFFD instead of failing; incomplete
+        # ones are held until the next bytes arrive.
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        try:
+            # Fast path: only byte ids (bytes() rejects anything outside 0-255).
+            return self._decoder.decode(bytes(token_ids))
+        except (ValueError, TypeError):
+            pass
+        out: list[str] = []
+        pending = bytearray()
+        for tid in token_ids:
+            if 0 <= tid < 256:
+                pending.append(tid)
+                continue
+            if tid in (ByteTokenizer.BOS, ByteTokenizer.EOS):
+                continue
+            # A word id ends any byte sequence in progress: decode what is complete and show
+            # a dangling partial character as U+FFFD, like any other broken sequence.
+            out.append(self._decoder.decode(bytes(pending), final=True))
+            pending.clear()
+            self._decoder.reset()
+            out.append(_word(tid))
+        if pending:
+            out.append(self._decoder.decode(bytes(pending)))
+        return "".join(out)
+
+    def flush(self) -> str:
+        text = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        return text
+
+
+# --- Hugging Face tokenizers -------------------------------------------------------------------
+
+#: How many prompt ids seed a stream decoder, so the first generated token is decoded in context
+#: (SentencePiece-style decoders drop a leading space at the start of a sequence).
+_PROMPT_CONTEXT_IDS = 6
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+class HFTokenizer:
+    """A Hugging Face *fast* tokenizer with its own chat template.
+
+    Build it with :meth:`from_pretrained` from a local folder (``tokenizer.json`` and friends) or a
+    ``.gguf`` file; nothing is downloaded.
+    """
+
+    def __init__(self, tokenizer: Any, *, eos_token_ids: Sequence[int] | None = None) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(
+                f"{type(tokenizer).__name__} is not a fast tokenizer; streaming detokenisation "
+                "needs one (tokenizer.json)"
+            )
+        self._tok = tokenizer
+        self._backend = backend
+        if eos_token_ids is None:
+            eos = tokenizer.eos_token_id
+            eos_token_ids = [] if eos is None else [int(eos)]
+        self._eos = list(eos_token_ids)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike[str], *, eos_token_ids: Sequence[int] | None = None
+    ) -> HFTokenizer:
+        """Load the tokenizer stored at ``path`` (a folder, or a ``.gguf`` file), offline."""
+        from transformers import AutoTokenizer
+
+        p = Path(path)
+        if p.suffix == ".gguf":
+            tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+        return cls(tok, eos_token_ids=eos_token_ids)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        try:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except UnicodeError as exc:
+            raise InvalidRequest("the text is not valid Unicode (lone surrogate)") from exc
+        return list(ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        detok = self.detokenizer(())
+        return detok.step(token_ids) + detok.flush()
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        import jinja2
+
+        try:
+            text = self._tok.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+            # Templates reject conversations they cannot render (roles out of order, ...):
+            # that is the client's input, so a 400, not a 500.
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+        # The rendered template already holds BOS and the role markers.
+        return self.encode(str(text), add_special_tokens=False)
+
+    def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
+        return _StreamDetokenizer(self._backend, prompt_ids[-_PROMPT_CONTEXT_IDS:])
+
+
+class _StreamDetokenizer:
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: Any, context_ids: Sequence[int]) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._stream = DecodeStream(ids=list(context_ids) or None, skip_special_tokens=True)
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        if not token_ids:
+            return ""
+        try:
+            text = self._stream.step(self._backend, list(token_ids))
+        except TypeError:
+            # An id the Rust side cannot hold (negative, too large): an engine bug, but
+            # decoding must not fail the request; such ids are dropped.
+            valid = [t for t in token_ids if 0 <= t <= _MAX_TOKEN_ID]
+            text = self._stream.step(self._backend, valid) if valid else None
+        return text or ""
+
+    def flush(self) -> str:
+        # DecodeStream holds ids only while they form an incomplete character; a stream that
+        # ends there has nothing printable left.
+        return ""

@@ -1,0 +1,58 @@
+"""OTP supervisors on anyio: strategies, restart types, intensity, backoff, ordered shutdown.
+
+``open_supervisor(children, flags)`` runs a tree inside your program; :class:`Supervisor` is also
+a child spec's actor, for nested trees.
+"""
+
+from supervisors._api import ChildCount, ChildInfo, SupervisorRef, SupervisorStatistics
+from supervisors._errors import (
+    ChildAlreadyPresent,
+    ChildAlreadyStarted,
+    ChildNotFound,
+    ChildRestarting,
+    ChildRunning,
+    ChildStartFailed,
+    InvalidChildSpec,
+    InvalidFlags,
+    SupervisorError,
+    SupervisorExited,
+)
+from supervisors._events import REGISTRY as METRICS_REGISTRY
+from supervisors._open import open_supervisor
+from supervisors._spec import (
+    AutoShutdown,
+    Backoff,
+    ChildSpec,
+    Restart,
+    Shutdown,
+    Strategy,
+    SupervisorFlags,
+)
+from supervisors._supervisor import Supervisor
+
+__all__ = [
+    "METRICS_REGISTRY",
+    "AutoShutdown",
+    "Backoff",
+    "ChildAlreadyPresent",
+    "ChildAlreadyStarted",
+    "ChildCount",
+    "ChildInfo",
+    "ChildNotFound",
+    "ChildRestarting",
+    "ChildRunning",
+    "ChildSpec",
+    "ChildStartFailed",
+    "InvalidChildSpec",
+    "InvalidFlags",
+    "Restart",
+    "Shutdown",
+    "Strategy",
+    "Supervisor",
+    "SupervisorError",
+    "SupervisorExited",
+    "SupervisorFlags",
+    "SupervisorRef",
+    "SupervisorStatistics",
+    "open_supervisor",
+]

@@ -1,0 +1,151 @@
+"""The child administration API: messages a supervisor answers, and :class:`SupervisorRef`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from actors import ActorRef, Call
+from supervisors._spec import ChildSpec
+
+__all__ = [
+    "ChildCount",
+    "ChildInfo",
+    "CountChildren",
+    "DeleteChild",
+    "GetChildSpec",
+    "RestartChild",
+    "StartChild",
+    "SupervisorRef",
+    "SupervisorStatistics",
+    "TerminateChild",
+    "WhichChildren",
+]
+
+ChildKey = str | ActorRef[Any]
+
+
+@attrs.frozen
+class ChildInfo:
+    """One row of ``which_children``. Refs are stable across restarts, so ``ref`` is always the
+    child's ref; ``state`` says whether an incarnation runs (OTP shows a pid, ``restarting`` or
+    ``undefined``)."""
+
+    id: str
+    ref: ActorRef[Any]
+    state: Literal["running", "restarting", "undefined"]
+    kind: Literal["worker", "supervisor"]
+
+
+@attrs.frozen
+class ChildCount:
+    specs: int
+    active: int
+    supervisors: int
+    workers: int
+
+
+@attrs.frozen
+class SupervisorStatistics:
+    name: str
+    strategy: str
+    children: int
+    active: int
+    restarts: int
+    restarts_in_window: int
+    intensity: int
+    period: float
+
+
+@attrs.frozen
+class StartChild(Call["ActorRef[Any] | None"]):
+    spec: ChildSpec | None = None
+    args: tuple[Any, ...] = ()
+
+
+@attrs.frozen
+class TerminateChild(Call[None]):
+    key: ChildKey
+
+
+@attrs.frozen
+class RestartChild(Call["ActorRef[Any] | None"]):
+    child_id: str
+
+
+@attrs.frozen
+class DeleteChild(Call[None]):
+    child_id: str
+
+
+@attrs.frozen
+class WhichChildren(Call[list[ChildInfo]]):
+    pass
+
+
+@attrs.frozen
+class CountChildren(Call[ChildCount]):
+    pass
+
+
+@attrs.frozen
+class GetChildSpec(Call[ChildSpec]):
+    key: ChildKey
+
+
+@attrs.frozen
+class GetStatistics(Call[SupervisorStatistics]):
+    pass
+
+
+class SupervisorRef:
+    """Typed calls on a supervisor's ref (OTP's ``supervisor:*`` functions).
+
+    Errors come back as :class:`~supervisors.SupervisorError` subclasses. Calls wait without a
+    timeout by default, as OTP's do: starting a GPU engine can take minutes.
+    """
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: ActorRef[Any]) -> None:
+        self.ref = ref
+
+    def __repr__(self) -> str:
+        return f"<SupervisorRef {self.ref.name}>"
+
+    async def start_child(self, spec: ChildSpec, *, timeout: float | None = None) -> ActorRef[Any] | None:
+        """Add and start a child (``None`` if it started as ``ignore``)."""
+        return await self.ref.ask(StartChild(spec=spec), timeout=timeout)
+
+    async def start_dynamic(self, *args: Any, timeout: float | None = None) -> ActorRef[Any] | None:
+        """``simple_one_for_one``: start a child from the template with ``args``."""
+        return await self.ref.ask(StartChild(args=args), timeout=timeout)
+
+    async def terminate_child(self, key: ChildKey, *, timeout: float | None = None) -> None:
+        await self.ref.ask(TerminateChild(key), timeout=timeout)
+
+    async def restart_child(self, child_id: str, *, timeout: float | None = None) -> ActorRef[Any] | None:
+        return await self.ref.ask(RestartChild(child_id), timeout=timeout)
+
+    async def delete_child(self, child_id: str, *, timeout: float | None = None) -> None:
+        await self.ref.ask(DeleteChild(child_id), timeout=timeout)
+
+    async def which_children(self, *, timeout: float | None = None) -> list[ChildInfo]:
+        return await self.ref.ask(WhichChildren(), timeout=timeout)
+
+    async def count_children(self, *, timeout: float | None = None) -> ChildCount:
+        return await self.ref.ask(CountChildren(), timeout=timeout)
+
+    async def get_childspec(self, key: ChildKey, *, timeout: float | None = None) -> ChildSpec:
+        return await self.ref.ask(GetChildSpec(key), timeout=timeout)
+
+    async def statistics(self, *, timeout: float | None = None) -> SupervisorStatistics:
+        return await self.ref.ask(GetStatistics(), timeout=timeout)
+
+    async def child(self, child_id: str) -> ActorRef[Any]:
+        """The ref of the child ``child_id`` (running or not)."""
+        for info in await self.which_children():
+            if info.id == child_id:
+                return info.ref
+        raise KeyError(child_id)

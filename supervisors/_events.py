@@ -1,0 +1,44 @@
+"""Every supervisor state change is a structlog event and a Prometheus metric."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+__all__ = ["REGISTRY", "emit", "set_backoff"]
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+"""The registry holding the supervision metrics; the telemetry actor serves it on /metrics."""
+
+_EVENTS = Counter(
+    "actorserve_supervisor_events",
+    "Supervisor events by kind: started, exited, restarted, start_failed, escalated, backoff, "
+    "terminated, ignored, auto_shutdown.",
+    ["supervisor", "child", "event"],
+    registry=REGISTRY,
+)
+_BACKOFF = Gauge(
+    "actorserve_supervisor_backoff_seconds",
+    "Delay before a child's pending restart (0 when none is pending).",
+    ["supervisor", "child"],
+    registry=REGISTRY,
+)
+
+_log = structlog.get_logger("actorserve.supervisor")
+
+# Frequent, unremarkable events go out at debug so 100k request streams do not flood the log.
+_DEBUG = frozenset({"started", "terminated"})
+
+
+def emit(supervisor: str, child: str, event: str, **fields: Any) -> None:
+    _EVENTS.labels(supervisor, child, event).inc()
+    log = _log.debug if event in _DEBUG else _log.info
+    if event in ("escalated", "start_failed") or (event == "exited" and fields.get("abnormal")):
+        log = _log.warning
+    log(event, supervisor=supervisor, child=child, **fields)
+
+
+def set_backoff(supervisor: str, child: str, seconds: float) -> None:
+    _BACKOFF.labels(supervisor, child).set(seconds)
