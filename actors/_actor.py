@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -10,7 +10,7 @@ import attrs
 from actors._errors import ReplyError, UnhandledMessage
 from actors._exit import ExitReason
 from actors._mailbox import TELL
-from actors._ref import ActorRef, CellState, Down
+from actors._ref import ActorRef, CellState, Down, Inbox
 
 if TYPE_CHECKING:
     import anyio.abc
@@ -28,7 +28,7 @@ class Exit:
     reason: ExitReason
 
 
-class LinkedExit(Exception):  # noqa: N818 - names the exit signal, as OTP does
+class LinkedExit(Exception):
     """The reason an actor dies when an actor it is linked to dies (and it does not trap exits)."""
 
     def __init__(self, ref: ActorRef[Any], reason: ExitReason) -> None:
@@ -71,6 +71,11 @@ class Actor:
         """Handle a stream request: an async generator of replies."""
         raise ReplyError(f"{type(self).__name__} does not serve streams")
 
+    def inbox_override(self) -> Inbox | None:
+        """Where callers' messages go instead of the mailbox (process actors forward them to
+        their OS process); ``None`` for ordinary actors."""
+        return None
+
     # -- inside the actor ---------------------------------------------------------------------
 
     @property
@@ -83,7 +88,9 @@ class Actor:
         """Tasks started here live no longer than this incarnation."""
         return self._runtime.task_group
 
-    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str | None = None) -> None:
+    def start_soon(
+        self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None
+    ) -> None:
         """Run ``fn(*args)`` as a task of this actor; if it raises, the actor crashes."""
         self._runtime.task_group.start_soon(fn, *args, name=name)
 

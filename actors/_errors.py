@@ -76,6 +76,6 @@ class ReplyError(Exception):
     """
 
 
-class Ignore(Exception):  # noqa: N818 - OTP's name for this outcome
+class Ignore(Exception):
     """Raise from :meth:`Actor.started` to start as OTP's ``ignore``: the child spec is kept,
     nothing runs."""

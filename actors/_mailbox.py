@@ -25,7 +25,15 @@ Item = tuple[int, Any, Any]
 class Mailbox:
     """A bounded FIFO with back-pressure for many senders and exactly one receiver."""
 
-    __slots__ = ("_backend", "_closed", "_receiver", "_space_waiters", "capacity", "items", "put_count")
+    __slots__ = (
+        "_backend",
+        "_closed",
+        "_receiver",
+        "_space_waiters",
+        "capacity",
+        "items",
+        "put_count",
+    )
 
     def __init__(self, backend: Backend, capacity: int) -> None:
         self._backend = backend

@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 R = TypeVar("R")
+T = TypeVar("T")
 DEFAULT_ASK_TIMEOUT = 5.0  # gen_server:call's default
 
 
@@ -258,21 +259,24 @@ class ActorRef(Generic[R]):
     def tell_nowait(self, message: Any) -> None:
         """Send without waiting: :class:`MailboxFull` at capacity, a typed error if not running."""
         cell = self._cell
-        if cell.state is not CellState.RUNNING:
+        inbox = cell.inbox
+        if cell.state is not CellState.RUNNING or inbox is None:
             raise cell.not_running_error()
-        cell.inbox.put_nowait((TELL, message, None))
+        inbox.put_nowait((TELL, message, None))
 
     async def tell(self, message: Any) -> None:
         """Send, waiting while the mailbox is full (back-pressure); a schedule point only then."""
         cell = self._cell
-        inbox = cell.inbox if cell.state is CellState.RUNNING else await cell.wait_running()
+        inbox = cell.inbox
+        if cell.state is not CellState.RUNNING or inbox is None:
+            inbox = await cell.wait_running()
         if len(inbox) < inbox.capacity:
             inbox.put_nowait((TELL, message, None))
         elif not await inbox.put((TELL, message, None)):
             raise cell.not_running_error()
 
     @overload
-    async def ask(self, message: Call[R], *, timeout: float | None = ...) -> R: ...
+    async def ask(self, message: Call[T], *, timeout: float | None = ...) -> T: ...
 
     @overload
     async def ask(self, message: object, *, timeout: float | None = ...) -> Any: ...
@@ -284,7 +288,9 @@ class ActorRef(Generic[R]):
         :class:`ActorCrashed` if the actor dies first, the handler's :class:`ReplyError` as is.
         """
         cell = self._cell
-        inbox = cell.inbox if cell.state is CellState.RUNNING else await cell.wait_running()
+        inbox = cell.inbox
+        if cell.state is not CellState.RUNNING or inbox is None:
+            inbox = await cell.wait_running()
         assert cell.backend is not None
         reply = cell.backend.reply()
         item = (ASK, message, reply)
@@ -303,11 +309,11 @@ class ActorRef(Generic[R]):
         At most ``buffer`` replies wait unread before the handler blocks (back-pressure).
         """
         cell = self._cell
-        if cell.state is not CellState.RUNNING:
+        inbox = cell.inbox
+        if cell.state is not CellState.RUNNING or inbox is None or cell.backend is None:
             raise cell.not_running_error()
-        assert cell.backend is not None
         channel = StreamChannel(cell.backend, buffer)
-        cell.inbox.put_system((STREAM, message, channel))
+        inbox.put_system((STREAM, message, channel))
         return ReplyStream(channel)
 
     def monitor(self) -> Monitor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -60,7 +59,7 @@ class Incarnation:
         self.exit_reason: ExitReason | None = None
         self.channels: set[StreamChannel] = set()
         self.task_group: anyio.abc.TaskGroup
-        self._reply_errors = (ReplyError, *actor.reply_errors)
+        self._reply_errors: tuple[type[BaseException], ...] = (ReplyError, *actor.reply_errors)
         actor._runtime = self
 
     # -- control, from any task ------------------------------------------------------------
@@ -122,7 +121,8 @@ class Incarnation:
                             self.ready.fail(exc)
                             tg.cancel_scope.cancel()
                             return
-                        cell.bind(self.mailbox, self.backend, self)
+                        inbox = self.actor.inbox_override()
+                        cell.bind(self.mailbox if inbox is None else inbox, self.backend, self)
                         bound = True
                         self.ready.set(self.ref)
                         async with anyio.create_task_group() as streams:
@@ -154,7 +154,7 @@ class Incarnation:
     async def _stopping_after_crash(self, reason: ExitReason) -> None:
         try:
             await self.actor.stopping(reason)
-        except Exception:  # noqa: S110 - the crash reason is the one that matters
+        except Exception:
             pass
 
     async def _serve(self, streams: anyio.abc.TaskGroup) -> ExitReason:
@@ -201,9 +201,16 @@ class Incarnation:
                 channel.producer_scope = scope
                 if channel.cancelled:
                     return
-                async with aclosing(self.actor.receive_stream(message)) as replies:
+                replies = self.actor.receive_stream(message)
+                try:
                     async for reply in replies:
                         await channel.send(reply)
+                finally:
+                    # An async generator's own cleanup (an engine's abort) runs here, also when
+                    # the consumer cancelled us.
+                    aclose = getattr(replies, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
                 channel.finish()
         except self._reply_errors as exc:
             channel.fail(exc)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from actors._backend import Backend
 from actors._errors import StreamCancelled
@@ -19,9 +19,17 @@ from actors._errors import StreamCancelled
 if TYPE_CHECKING:
     import anyio
 
-__all__ = ["ReplyStream", "StreamChannel"]
+__all__ = ["ReplyStream", "StreamChannel", "StreamHooks"]
 
 T = TypeVar("T")
+
+
+class StreamHooks(Protocol):
+    """How a channel whose producer lives in another process returns credit and cancels."""
+
+    def consumed(self) -> None: ...
+
+    def cancelled(self) -> None: ...
 
 
 class StreamChannel:
@@ -31,10 +39,11 @@ class StreamChannel:
         "_buffer",
         "_consumer",
         "_producer",
-        "capacity",
         "cancelled",
+        "capacity",
         "error",
         "finished",
+        "hooks",
         "producer_scope",
     )
 
@@ -47,6 +56,7 @@ class StreamChannel:
         self.cancelled = False
         self.error: BaseException | None = None
         self.producer_scope: anyio.CancelScope | None = None
+        self.hooks: StreamHooks | None = None
 
     # -- producer side --------------------------------------------------------------------
 
@@ -57,6 +67,12 @@ class StreamChannel:
             raise StreamCancelled("the consumer closed the stream")
         self._buffer.append(item)
         self._consumer.unpark()
+
+    def push_nowait(self, item: Any) -> None:
+        """Append without waiting (a remote producer already respects the credit window)."""
+        if not self.cancelled:
+            self._buffer.append(item)
+            self._consumer.unpark()
 
     def finish(self) -> None:
         self.finished = True
@@ -81,6 +97,8 @@ class StreamChannel:
             await self._consumer.park()
         item = buffer.popleft()
         self._producer.unpark()
+        if self.hooks is not None:
+            self.hooks.consumed()
         return item
 
     def cancel(self) -> None:
@@ -93,6 +111,8 @@ class StreamChannel:
         self._producer.unpark()
         if self.producer_scope is not None:
             self.producer_scope.cancel()
+        if self.hooks is not None:
+            self.hooks.cancelled()
 
 
 class ReplyStream(Generic[T]):

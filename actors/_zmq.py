@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import anyio
 import zmq
 
-__all__ = ["AsyncSocket", "context"]
+__all__ = ["AsyncSocket", "context", "has_input"]
 
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
 
@@ -32,12 +32,17 @@ def context() -> zmq.Context[zmq.Socket[bytes]]:
 _SEND_RETRY_S = 0.0005
 
 
+def has_input(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message can be received now (re-arms the FD's edge)."""
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
 class AsyncSocket:
     """An awaitable wrapper around one ``zmq.Socket``; the wrapper owns and closes it."""
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self.socket = sock
-        self._fd: int = sock.getsockopt(zmq.FD)
+        self._fd = int(sock.getsockopt(zmq.FD))
 
     @classmethod
     def create(cls, kind: int, **options: int) -> AsyncSocket:
@@ -60,7 +65,7 @@ class AsyncSocket:
 
     async def wait_readable(self) -> None:
         """Return once a message can be received."""
-        while not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while not has_input(self.socket):
             await anyio.wait_readable(self._fd)
 
     def recv_multipart_nowait(self) -> list[bytes] | None:
@@ -77,7 +82,9 @@ class AsyncSocket:
                 return msg
             await self.wait_readable()
 
-    def send_multipart_nowait(self, frames: Sequence[bytes | memoryview], copy: bool = True) -> bool:
+    def send_multipart_nowait(
+        self, frames: Sequence[bytes | memoryview], copy: bool = True
+    ) -> bool:
         """Send at once; ``False`` when the high-water mark is reached (nothing was sent)."""
         try:
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=copy)
@@ -86,7 +93,8 @@ class AsyncSocket:
         return True
 
     async def send_multipart(self, frames: Sequence[bytes | memoryview], copy: bool = True) -> None:
-        while not self.send_multipart_nowait(frames, copy=copy):
+        # Polling, not waiting on the FD: the receiving task may be waiting on it already.
+        while not self.send_multipart_nowait(frames, copy=copy):  # noqa: ASYNC110
             await anyio.sleep(_SEND_RETRY_S)
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from actors._mailbox import ASK, STREAM, TELL, Item, Mailbox
 from actors._ref import Cell, CellState, Inbox, crash_error
 from actors._registry import reset_registry, set_registry
 from actors._runtime import OWNER_GONE, Incarnation, unwrap_error
-from actors._stream import StreamChannel
+from actors._stream import StreamChannel, StreamHooks
 
 __all__ = [
     "ASK",
@@ -25,6 +25,7 @@ __all__ = [
     "Parking",
     "Reply",
     "StreamChannel",
+    "StreamHooks",
     "backend",
     "crash_error",
     "reset_registry",

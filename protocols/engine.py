@@ -146,6 +146,7 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     dp_size: int = 1
     bootstrap: BootstrapInfo | None = None  # room unused (0); set on prefill workers
     kv_events_endpoints: tuple[str, ...] = ()  # one per data-parallel rank
+    kv_events_replay_endpoints: tuple[str, ...] = ()  # ROUTER replay, one per rank (or none)
     metrics_endpoint: str | None = None
 
 

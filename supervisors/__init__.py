@@ -27,6 +27,7 @@ from supervisors._spec import (
     Shutdown,
     Strategy,
     SupervisorFlags,
+    process_child,
 )
 from supervisors._supervisor import Supervisor
 
@@ -55,4 +56,5 @@ __all__ = [
     "SupervisorRef",
     "SupervisorStatistics",
     "open_supervisor",
+    "process_child",
 ]

@@ -114,7 +114,9 @@ class SupervisorRef:
     def __repr__(self) -> str:
         return f"<SupervisorRef {self.ref.name}>"
 
-    async def start_child(self, spec: ChildSpec, *, timeout: float | None = None) -> ActorRef[Any] | None:
+    async def start_child(
+        self, spec: ChildSpec, *, timeout: float | None = None
+    ) -> ActorRef[Any] | None:
         """Add and start a child (``None`` if it started as ``ignore``)."""
         return await self.ref.ask(StartChild(spec=spec), timeout=timeout)
 
@@ -125,7 +127,9 @@ class SupervisorRef:
     async def terminate_child(self, key: ChildKey, *, timeout: float | None = None) -> None:
         await self.ref.ask(TerminateChild(key), timeout=timeout)
 
-    async def restart_child(self, child_id: str, *, timeout: float | None = None) -> ActorRef[Any] | None:
+    async def restart_child(
+        self, child_id: str, *, timeout: float | None = None
+    ) -> ActorRef[Any] | None:
         return await self.ref.ask(RestartChild(child_id), timeout=timeout)
 
     async def delete_child(self, child_id: str, *, timeout: float | None = None) -> None:

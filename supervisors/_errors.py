@@ -84,7 +84,7 @@ class InvalidFlags(SupervisorError, ValueError):
         self.problem = problem
 
 
-class SupervisorExited(Exception):  # noqa: N818 - it reports an exit, like OTP's EXIT
+class SupervisorExited(Exception):
     """The root supervisor of an :func:`open_supervisor` block exited on its own."""
 
     def __init__(self, name: str, reason: ExitReason) -> None:

@@ -63,7 +63,9 @@ async def open_supervisor(
                 stopping = True
                 inc.request_stop(ExitReason.shutdown())
                 with anyio.CancelScope(shield=True):
-                    with anyio.move_on_after(shutdown_timeout if shutdown_timeout is not None else float("inf")):
+                    with anyio.move_on_after(
+                        shutdown_timeout if shutdown_timeout is not None else float("inf")
+                    ):
                         await inc.finished.wait()
                     inc.kill(ExitReason.killed("shutdown timeout"))
                     await inc.finished.wait()

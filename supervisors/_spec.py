@@ -79,7 +79,9 @@ def _check_shutdown(spec: ChildSpec, attribute: attrs.Attribute[Any], value: Any
     if value in ("brutal_kill", "infinity"):
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise InvalidChildSpec(spec.id, "shutdown", f"must be seconds >= 0, 'brutal_kill' or 'infinity', got {value!r}")
+        raise InvalidChildSpec(
+            spec.id, "shutdown", f"must be seconds >= 0, 'brutal_kill' or 'infinity', got {value!r}"
+        )
 
 
 @attrs.frozen
@@ -99,7 +101,7 @@ class ChildSpec:
     significant: bool = False
     name: str | None = None
     backoff: Backoff | None = None
-    while_restarting: WhileRestarting = WhileRestarting()
+    while_restarting: WhileRestarting = attrs.field(factory=WhileRestarting)
     start_timeout: float | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -110,11 +112,15 @@ class ChildSpec:
         if not isinstance(self.restart, Restart):
             raise InvalidChildSpec(self.id, "restart", f"must be a Restart, got {self.restart!r}")
         if self.kind not in ("worker", "supervisor"):
-            raise InvalidChildSpec(self.id, "kind", f"must be 'worker' or 'supervisor', got {self.kind!r}")
+            raise InvalidChildSpec(
+                self.id, "kind", f"must be 'worker' or 'supervisor', got {self.kind!r}"
+            )
         if self.shutdown is not None:
             _check_shutdown(self, attrs.fields(ChildSpec).shutdown, self.shutdown)
         if self.significant and self.restart is Restart.PERMANENT:
-            raise InvalidChildSpec(self.id, "significant", "a permanent child cannot be significant")
+            raise InvalidChildSpec(
+                self.id, "significant", "a permanent child cannot be significant"
+            )
         if self.start_timeout is not None and not self.start_timeout > 0:
             raise InvalidChildSpec(self.id, "start_timeout", "must be > 0")
 
@@ -160,12 +166,22 @@ class SupervisorFlags:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.strategy, Strategy):
             raise InvalidFlags("strategy", f"must be a Strategy, got {self.strategy!r}")
-        if isinstance(self.intensity, bool) or not isinstance(self.intensity, int) or self.intensity < 0:
+        if (
+            isinstance(self.intensity, bool)
+            or not isinstance(self.intensity, int)
+            or self.intensity < 0
+        ):
             raise InvalidFlags("intensity", f"must be an int >= 0, got {self.intensity!r}")
-        if isinstance(self.period, bool) or not isinstance(self.period, int | float) or not self.period > 0:
+        if (
+            isinstance(self.period, bool)
+            or not isinstance(self.period, int | float)
+            or not self.period > 0
+        ):
             raise InvalidFlags("period", f"must be > 0, got {self.period!r}")
         if not isinstance(self.auto_shutdown, AutoShutdown):
-            raise InvalidFlags("auto_shutdown", f"must be an AutoShutdown, got {self.auto_shutdown!r}")
+            raise InvalidFlags(
+                "auto_shutdown", f"must be an AutoShutdown, got {self.auto_shutdown!r}"
+            )
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> SupervisorFlags:
@@ -207,3 +223,20 @@ def _first_problem(exc: cattrs.ClassValidationError) -> tuple[str, str]:
         field = str(getattr(notes[0], "name", "?")) if notes else "?"
         return field, f"{type(sub).__name__}: {sub}"
     return "?", str(exc)
+
+
+def process_child(
+    child_id: str,
+    factory: str,
+    *args: Any,
+    options: Any = None,
+    **spec: Any,
+) -> ChildSpec:
+    """A child spec for an actor in its own OS process: ``factory`` (``"module:Class"``) builds
+    it there from ``args``; ``options`` is an :class:`actors.process.ProcessOptions`."""
+    from actors.process import ProcessActor
+
+    def start() -> Actor:
+        return ProcessActor(factory, *args, options=options, name=child_id)
+
+    return ChildSpec(child_id, start, **spec)

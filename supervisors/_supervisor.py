@@ -19,7 +19,7 @@ import anyio
 import attrs
 
 from actors import Actor, ActorRef, Clock, ExitReason, Ignore, RealClock, current_registry
-from actors.lowlevel import OWNER_GONE, Cell, CellState, Incarnation, TELL
+from actors.lowlevel import OWNER_GONE, TELL, Cell, CellState, Incarnation
 from supervisors import _api as api
 from supervisors._children import Child
 from supervisors._errors import (
@@ -79,12 +79,16 @@ class Supervisor(Actor):
         seen: set[str] = set()
         for spec in specs:
             if not isinstance(spec, ChildSpec):
-                raise InvalidChildSpec(getattr(spec, "id", None), "spec", f"not a ChildSpec: {spec!r}")
+                raise InvalidChildSpec(
+                    getattr(spec, "id", None), "spec", f"not a ChildSpec: {spec!r}"
+                )
             if spec.id in seen:
                 raise InvalidChildSpec(spec.id, "id", "duplicate child id")
             seen.add(spec.id)
         if self._dynamic and len(specs) != 1:
-            raise InvalidChildSpec(None, "children", "simple_one_for_one needs exactly one template spec")
+            raise InvalidChildSpec(
+                None, "children", "simple_one_for_one needs exactly one template spec"
+            )
         self._specs = specs
         self._children: dict[str, Child] = {}
         self._restarts: deque[float] = deque()
@@ -138,7 +142,9 @@ class Supervisor(Actor):
 
     # -- starting ----------------------------------------------------------------------------
 
-    def _add(self, spec: ChildSpec, args: tuple[Any, ...] = (), child_id: str | None = None) -> Child:
+    def _add(
+        self, spec: ChildSpec, args: tuple[Any, ...] = (), child_id: str | None = None
+    ) -> Child:
         child_id = child_id or spec.id
         cell = Cell(f"{self.name}/{child_id}", spec.while_restarting)
         child = Child(child_id, spec, ActorRef(cell), args)
@@ -196,7 +202,10 @@ class Supervisor(Actor):
             return
         child.inc = None
         emit(self.name, child.label, "exited", reason=str(reason), abnormal=reason.is_abnormal)
-        if child.spec.backoff is not None and self.clock.now() - child.started_at >= child.spec.backoff.reset_after:
+        if (
+            child.spec.backoff is not None
+            and self.clock.now() - child.started_at >= child.spec.backoff.reset_after
+        ):
             child.restart_attempts = 0
         if not child.wants_restart(reason):
             if child.spec.restart is Restart.TEMPORARY:
@@ -251,7 +260,13 @@ class Supervisor(Actor):
         for child in group:
             child.pending_restart = token
         set_backoff(self.name, failed.label, delay)
-        emit(self.name, failed.label, "backoff", delay=round(delay, 4), attempt=failed.restart_attempts)
+        emit(
+            self.name,
+            failed.label,
+            "backoff",
+            delay=round(delay, 4),
+            attempt=failed.restart_attempts,
+        )
         self.start_soon(self._restart_after, delay, tuple(group), token)
 
     async def _restart_after(self, delay: float, group: tuple[Child, ...], token: int) -> None:
@@ -346,7 +361,9 @@ class Supervisor(Actor):
                 return child
         raise ChildNotFound(key)
 
-    async def _start_child(self, spec: ChildSpec | None, args: tuple[Any, ...]) -> ActorRef[Any] | None:
+    async def _start_child(
+        self, spec: ChildSpec | None, args: tuple[Any, ...]
+    ) -> ActorRef[Any] | None:
         if self._dynamic:
             template = self._specs[0]
             child = self._add(template, args, f"{template.id}-{next(self._dynamic_ids)}")

@@ -34,7 +34,12 @@ def _live_tasks() -> set[Any]:
         return found
     import asyncio
 
-    return {t for t in asyncio.all_tasks() if not t.done()}
+    # anyio's pytest runner keeps one task alive across tests: it is not ours.
+    return {
+        t
+        for t in asyncio.all_tasks()
+        if not t.done() and "_call_in_runner_task" not in repr(t.get_coro())
+    }
 
 
 @pytest.fixture
@@ -104,7 +109,7 @@ def _counts_as_leak(proc: psutil.Process) -> bool:
 def _is_shared_server(proc: psutil.Process) -> bool:
     # The process actors' forkserver lives for the whole session by design (it makes restarts
     # cheap); what it forks must still be gone.
-    return "actorserve-forkserver" in _cmd(proc)
+    return "actors.process._forkserver" in _cmd(proc)
 
 
 def _cmd(proc: psutil.Process) -> str:

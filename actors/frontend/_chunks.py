@@ -58,7 +58,7 @@ class _ChatChunk(msgspec.Struct, omit_defaults=True):
     choices: list[_ChatChunkChoice]
     # UNSET: no "usage" key at all (the client did not ask); None: "usage": null, as OpenAI
     # sends on every chunk but the last when stream_options.include_usage is set.
-    usage: _Usage | None | msgspec.UnsetType = msgspec.UNSET
+    usage: _Usage | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class _ChatMessage(msgspec.Struct):
@@ -98,7 +98,7 @@ class _CompletionChunk(msgspec.Struct, omit_defaults=True):
     created: int
     model: str
     choices: list[_CompletionChoice]
-    usage: _Usage | None | msgspec.UnsetType = msgspec.UNSET
+    usage: _Usage | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class _Completion(msgspec.Struct):
@@ -142,7 +142,7 @@ class Renderer:
         """The whole non-streaming response."""
         raise NotImplementedError
 
-    def _chunk_usage(self) -> None | msgspec.UnsetType:
+    def _chunk_usage(self) -> msgspec.UnsetType | None:
         return None if self.include_usage else msgspec.UNSET
 
 

@@ -130,11 +130,12 @@ def validation_error_response(exc: RequestValidationError) -> Response:
         message, param = f"Invalid JSON body: {detail}", None
     else:
         param = _param(tuple(first.get("loc", ())))
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg")
+        msg = str(first.get("msg", "invalid value"))
+        message = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
         message = f"{message} (and {len(errors) - 1} more problems)"
     return Response(
-        error_body(400, str(message), kind, param), status_code=400, media_type="application/json"
+        error_body(400, message, kind, param), status_code=400, media_type="application/json"
     )
 
 

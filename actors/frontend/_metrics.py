@@ -8,6 +8,7 @@ no served model (so bad requests cannot blow up the label cardinality).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -109,10 +110,12 @@ class RequestMetrics:
 
     __slots__ = (
         "_done",
+        "_itl",
         "_last",
         "_m",
         "_model",
         "_output",
+        "_output_total",
         "endpoint",
         "first_token_at",
         "model",
@@ -131,6 +134,8 @@ class RequestMetrics:
         self._output = 0
         self._done = False
         self._model: str | None = None
+        self._itl: Any = None
+        self._output_total: Any = None
 
     def admitted(self, model: str, request_type: str, prompt_tokens: int) -> None:
         """The request names a served model and was tokenised: it now counts as in flight."""
@@ -139,31 +144,38 @@ class RequestMetrics:
         self._model = model
         self._m.inflight.labels(model).inc()
         self._m.input_tokens.labels(model).observe(prompt_tokens)
+        # The per-token series, resolved once: a labels() lookup per chunk would cost more than
+        # the update itself.
+        self._itl = self._m.itl.labels(model)
+        self._output_total = self._m.output_tokens.labels(model)
 
     def tokens(self, n: int) -> None:
         """``n`` new tokens arrived (the hot path: two metric updates at most)."""
         if n <= 0:
             return
+        if self._model is None:
+            return
         now = time.perf_counter()
-        model = self.model
         if self.first_token_at is None:
             self.first_token_at = now
-            self._m.ttft.labels(model).observe(now - self.started)
+            self._m.ttft.labels(self.model).observe(now - self.started)
         else:
-            self._m.itl.labels(model).observe((now - self._last) / n)
+            self._itl.observe((now - self._last) / n)
         self._last = now
         self._output += n
-        self._m.output_tokens.labels(model).inc(n)
+        self._output_total.inc(n)
 
-    def done(self, status: str, error_type: str = "", *, disconnected: bool = False) -> None:
-        """Record the outcome (``success``, ``error`` or ``cancelled``); later calls are no-ops."""
+    def done(self, status: str, error_type: str = "", *, disconnected: bool = False) -> bool:
+        """Record the outcome (``success``, ``error`` or ``cancelled``) once; later calls are
+        no-ops. True when this call ended a request that :meth:`admitted` had counted in flight.
+        """
         if self._done:
-            return
+            return False
         self._done = True
         m, model = self._m, self.model
         m.requests.labels(model, self.endpoint, self.request_type, status, error_type).inc()
         if self._model is None:
-            return  # never admitted: nothing else was started for it
+            return False  # never admitted: nothing else was started for it
         m.inflight.labels(model).dec()
         m.duration.labels(model).observe(time.perf_counter() - self.started)
         m.output_tokens_hist.labels(model).observe(self._output)
@@ -171,3 +183,4 @@ class RequestMetrics:
             m.cancellations.labels(model).inc()
         if disconnected:
             m.disconnected.labels(model).inc()
+        return True

@@ -108,7 +108,9 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         # A ChatML-like plain-text template: roles and separators are ordinary bytes, so the
         # mock engine needs no extra special ids.
-        parts = [f"<|{m.get('role', 'user')}|>\n{m.get('content') or ''}<|end|>\n" for m in messages]
+        parts = [
+            f"<|{m.get('role', 'user')}|>\n{m.get('content') or ''}<|end|>\n" for m in messages
+        ]
         parts.append("<|assistant|>\n")
         return self.encode("".join(parts))
 

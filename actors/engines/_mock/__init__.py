@@ -1,0 +1,1 @@
+"""The mock engine's implementation (private; the public names live in ``actors.engines``)."""

@@ -1,0 +1,276 @@
+"""Real KV page memory whose content is a deterministic function of the tokens.
+
+One contiguous buffer per data-parallel rank, ``num_blocks * block_bytes`` bytes: host memory from
+an anonymous ``mmap`` (so a release really returns the pages to the OS and the RSS drops), or a
+torch CUDA tensor when a GPU is present. Block ``b`` lives at byte offset ``b * block_bytes``.
+
+A page's *hash* is SGLang-style chained: ``page_hash(parent, tokens)`` over the parent page's hash
+and this page's tokens, so it stands for the whole prefix up to the page's end (position included).
+A page's content is derived from that hash alone: 64-byte rows, row ``r`` word ``k`` =
+``mix(hash + k) XOR mix(r)``, cheap to write (one broadcast) and to verify (one comparison). The
+trailing partial page of a prompt uses the hash of its partial tokens, so a transfer of a whole
+prompt can be verified page by page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import mmap
+import os
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from actors.engines._mock._tokens import U64Array, mix64
+
+__all__ = [
+    "HostOrDeviceBuffer",
+    "KvMemoryInfo",
+    "KvPageMemory",
+    "page_checksum",
+    "page_content",
+    "page_hash",
+    "prompt_page_hashes",
+    "resolve_device",
+]
+
+_ROW_WORDS = 8  # 64-byte rows
+_NVIDIA_PATHS = (
+    "/proc/driver/nvidia/version",
+    "/dev/nvidia0",
+    "/dev/nvidiactl",
+    "/usr/local/nvidia",
+)
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """The chained hash of one page: a signed 64-bit int (SGLang's ``hash_str_to_int64`` range)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"\x00" * 9 if parent is None else b"\x01" + (parent & _MASK).to_bytes(8, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def prompt_page_hashes(
+    tokens: Sequence[int], block_size: int, *, partial: bool = True
+) -> list[int]:
+    """Chained hashes of every page of ``tokens``: full pages, then the partial tail if any."""
+    hashes: list[int] = []
+    parent: int | None = None
+    n = len(tokens)
+    end = n if partial else n - n % block_size
+    for start in range(0, end, block_size):
+        parent = page_hash(parent, tokens[start : min(start + block_size, n)])
+        hashes.append(parent)
+    return hashes
+
+
+def _row_words(block_bytes: int) -> U64Array:
+    rows = block_bytes // 64
+    return np.array([mix64(r * _GOLDEN + 1) for r in range(rows)], dtype=np.uint64)
+
+
+def _base_words(h: int) -> U64Array:
+    # One 64-byte digest gives the 8 words of a row: cheaper than 8 scalar mixes.
+    digest = hashlib.blake2b((h & _MASK).to_bytes(8, "little"), digest_size=64).digest()
+    return np.frombuffer(digest, dtype=np.uint64)
+
+
+def page_content(hash_: int, block_bytes: int) -> npt.NDArray[np.uint8]:
+    """The exact bytes a page with chained hash ``hash_`` holds."""
+    words = _base_words(hash_)[None, :] ^ _row_words(block_bytes)[:, None]
+    return words.reshape(-1).view(np.uint8)
+
+
+def page_checksum(hash_: int, block_bytes: int) -> int:
+    """A cheap checksum of a page's expected content: the sum of its 64-bit words mod 2**64."""
+    return int(page_content(hash_, block_bytes).view(np.uint64).sum(dtype=np.uint64))
+
+
+def resolve_device(device: Literal["auto", "cpu", "cuda"]) -> str:
+    """``cpu`` or ``cuda``; ``auto`` imports torch only where an NVIDIA driver is present."""
+    if device != "auto":
+        return device
+    # Importing torch costs seconds: only where a driver (or torch itself) is already in sight.
+    if "torch" not in sys.modules and not any(map(os.path.exists, _NVIDIA_PATHS)):
+        return "cpu"
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError:
+        return "cpu"
+    return "cuda" if bool(torch.cuda.is_available()) else "cpu"
+
+
+class KvMemoryInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one rank's KV pages live, for registering them with a transfer agent (NIXL).
+
+    ``generation`` grows with every re-allocation (resume after release): registrations made for
+    an older generation point at freed memory.
+    """
+
+    dp_rank: int
+    device: str  # "cpu" (NIXL "DRAM") or "cuda" (NIXL "VRAM")
+    device_id: int
+    address: int
+    size: int
+    num_blocks: int
+    block_bytes: int
+    generation: int
+
+    def block_offset(self, block_id: int) -> int:
+        """Byte offset of ``block_id`` within the buffer."""
+        return block_id * self.block_bytes
+
+
+class HostOrDeviceBuffer:
+    """A contiguous byte buffer on the host (``mmap``) or a CUDA device (torch)."""
+
+    def __init__(self, size: int, device: str) -> None:
+        self.size = size
+        self.device = device
+        self._mmap: mmap.mmap | None = None
+        self.host: npt.NDArray[np.uint8] | None = None
+        self.tensor: Any = None  # torch.Tensor on CUDA; typed Any to keep torch out of mypy
+        self.address = 0
+        if device == "cuda":
+            torch = importlib.import_module("torch")
+            self.tensor = torch.zeros(size, dtype=torch.uint8, device="cuda")
+            self.address = int(self.tensor.data_ptr())
+        else:
+            self._mmap = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.host = np.frombuffer(self._mmap, dtype=np.uint8, count=size)
+            # Touch every page now, as a GPU allocation commits its memory at once.
+            self.host.fill(0)
+            self.address = int(self.host.__array_interface__["data"][0]) if size else 0
+
+    def fill_pattern(self, seed: int) -> None:
+        """Write a deterministic pattern everywhere (the weights stand-in's "load")."""
+        words = self.size // 8
+        if self.host is not None:
+            view = self.host[: words * 8].view(np.uint64)
+            view[:] = np.arange(words, dtype=np.uint64)
+            view ^= np.uint64(mix64(seed))
+        elif self.tensor is not None:
+            self.tensor.fill_(seed & 0xFF)
+
+    def free(self) -> None:
+        """Return the memory to the OS (or the CUDA allocator) now."""
+        self.host = None
+        if self._mmap is not None:
+            # MADV_DONTNEED drops the pages even if a caller still holds a view (a later read of
+            # such a stale view sees zeros, never freed memory); then unmap when no view remains.
+            if self.size:
+                self._mmap.madvise(mmap.MADV_DONTNEED)
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass
+            self._mmap = None
+        if self.tensor is not None:
+            self.tensor = None
+            torch = importlib.import_module("torch")
+            torch.cuda.empty_cache()
+        self.address = 0
+
+
+class KvPageMemory:
+    """One rank's KV pages: allocate, free, write a page's content, verify, checksum."""
+
+    def __init__(self, dp_rank: int, num_blocks: int, block_bytes: int, device: str) -> None:
+        self.dp_rank = dp_rank
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.device = device
+        self.generation = 0
+        self._buf: HostOrDeviceBuffer | None = None
+        self._rows = _row_words(block_bytes)
+        self._pages: U64Array | None = None  # (num_blocks, rows, 8) view of host memory
+
+    @property
+    def allocated(self) -> bool:
+        return self._buf is not None
+
+    def allocate(self) -> None:
+        if self._buf is not None:
+            return
+        self._buf = HostOrDeviceBuffer(self.num_blocks * self.block_bytes, self.device)
+        self.generation += 1
+        if self._buf.host is not None:
+            rows = self.block_bytes // 64
+            self._pages = self._buf.host.view(np.uint64).reshape(self.num_blocks, rows, _ROW_WORDS)
+
+    def free(self) -> None:
+        self._pages = None
+        if self._buf is not None:
+            self._buf.free()
+            self._buf = None
+
+    def info(self) -> KvMemoryInfo:
+        buf = self._require()
+        return KvMemoryInfo(
+            dp_rank=self.dp_rank,
+            device=self.device,
+            device_id=int(buf.tensor.device.index or 0) if buf.tensor is not None else 0,
+            address=buf.address,
+            size=buf.size,
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            generation=self.generation,
+        )
+
+    def buffer(self) -> Any:
+        """The whole buffer: a ``(num_blocks, block_bytes)`` uint8 numpy array or CUDA tensor."""
+        buf = self._require()
+        if buf.host is not None:
+            return buf.host.reshape(self.num_blocks, self.block_bytes)
+        return buf.tensor.view(self.num_blocks, self.block_bytes)
+
+    def _require(self) -> HostOrDeviceBuffer:
+        if self._buf is None:
+            raise RuntimeError(f"KV memory of rank {self.dp_rank} is released")
+        return self._buf
+
+    def _expected(self, hash_: int) -> U64Array:
+        return _base_words(hash_)[None, :] ^ self._rows[:, None]
+
+    def write(self, block_id: int, hash_: int) -> None:
+        """Fill ``block_id`` with the content of the page whose chained hash is ``hash_``."""
+        if self._pages is not None:
+            np.bitwise_xor(
+                _base_words(hash_)[None, :], self._rows[:, None], out=self._pages[block_id]
+            )
+            return
+        buf = self._require()
+        torch = importlib.import_module("torch")
+        src = torch.from_numpy(self._expected(hash_).reshape(-1).view(np.uint8))
+        start = block_id * self.block_bytes
+        buf.tensor[start : start + self.block_bytes].copy_(src)
+
+    def read(self, block_id: int) -> npt.NDArray[np.uint8]:
+        """A host copy of one block's bytes."""
+        out = np.empty(self.block_bytes, dtype=np.uint8)
+        if self._pages is not None:
+            out[:] = self._pages[block_id].reshape(-1).view(np.uint8)
+            return out
+        buf = self._require()
+        start = block_id * self.block_bytes
+        out[:] = buf.tensor[start : start + self.block_bytes].cpu().numpy()
+        return out
+
+    def verify(self, block_id: int, hash_: int) -> bool:
+        """True when ``block_id`` holds exactly the content of page ``hash_``."""
+        if self._pages is not None:
+            return bool(np.array_equal(self._pages[block_id], self._expected(hash_)))
+        return bool(np.array_equal(self.read(block_id), page_content(hash_, self.block_bytes)))
+
+    def checksum(self, block_id: int) -> int:
+        """The same checksum as :func:`page_checksum`, over what the block holds now."""
+        return int(self.read(block_id).view(np.uint64).sum(dtype=np.uint64))

@@ -1,0 +1,229 @@
+"""The step loop of a rank, its reader wake-ups and its load metrics (a mixin of the scheduler).
+
+Timed mode sleeps each step's simulated time against a virtual clock: a step starts when the
+previous one was due to end, not when the loop woke up, so sleep lateness never accumulates (the
+clock re-anchors after an idle period, or when the loop falls more than ``_MAX_LAG_S`` behind).
+Instant mode runs steps back to back and yields to the event loop every ``instant_yield_s`` (or at
+once after a first or last token), waking readers in batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+import anyio.lowlevel
+import msgspec
+
+from actors.engines._mock._batch import DecodeBatch
+from actors.engines._mock._config import MockEngineConfig
+from actors.engines._mock._pool import BlockPool
+from actors.engines._mock._request import MockRequest, Phase
+from actors.engines._mock._wire import KvMetrics
+from protocols.engine import FinishReason
+from protocols.errors import KVTransferError, RequestError
+
+__all__ = ["LoopMixin", "Step", "StepRecord"]
+
+# Further behind the virtual clock than this (a stalled process): stop catching up, re-anchor.
+_MAX_LAG_S = 1.0
+
+# What waking one reader costs (a task switch and an output), to pace instant-mode yields.
+_READER_WAKE_S = 50e-6
+
+# (prefill chunks, decode slots below this bound, seconds, prefill tokens, decoders, KV fraction)
+Step = tuple[list[tuple[MockRequest, int]], int, float, int, int, float]
+
+
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One step (kept when ``record_steps`` is on): what the timing model was given, what it
+    charged, and when (``anyio.current_time()``) the step was due to start and was committed."""
+
+    prefill_tokens: int
+    decode_requests: int
+    kv_fraction: float
+    seconds: float
+    started: float
+    committed: float
+
+
+class LoopMixin:
+    """``run`` and friends; the scheduler provides the state and ``_plan`` / ``_commit``."""
+
+    rank: int
+    cfg: MockEngineConfig
+    pool: BlockPool
+    batch: DecodeBatch
+    waiting: deque[MockRequest]
+    running: list[MockRequest]
+    owed: dict[str, MockRequest]
+    paused: bool
+    memory_ready: bool
+    prompt_tokens: int
+    cached_tokens: int
+    _publish_metrics: Callable[[KvMetrics], None] | None
+    _deferred: list[MockRequest]
+    _readers: list[MockRequest]
+    _urgent: bool
+    _wake_event: anyio.Event | None
+    _step_done: anyio.Event | None
+    _clock: float | None
+    _metrics_sent: tuple[int, ...] | None
+    _metrics_at: float
+    records: list[StepRecord]
+
+    def _plan(self) -> Step | None:
+        raise NotImplementedError
+
+    def _commit(self, step: Step) -> None:
+        raise NotImplementedError
+
+    def end(
+        self,
+        req: MockRequest,
+        reason: FinishReason = "cancelled",
+        error: RequestError | None = None,
+    ) -> None:
+        raise NotImplementedError
+
+    # -- metrics --------------------------------------------------------------------------
+
+    def metrics(self) -> KvMetrics:
+        total, used, prompt = self.cfg.num_blocks, self.pool.used, self.prompt_tokens
+        return KvMetrics(
+            request_active_slots=len(self.running),
+            request_total_slots=self.cfg.max_running_requests,
+            kv_active_blocks=used,
+            kv_total_blocks=total,
+            num_requests_waiting=len(self.waiting),
+            gpu_cache_usage_perc=used / total,
+            gpu_prefix_cache_hit_rate=self.cached_tokens / prompt if prompt else 0.0,
+            data_parallel_rank=self.rank,
+        )
+
+    def _metrics_key(self) -> tuple[int, ...]:
+        return (len(self.running), self.pool.used, len(self.waiting), self.cached_tokens)
+
+    def publish_metrics(self, force: bool = False) -> None:
+        """Publish if the state changed (at most once per ``metrics_interval_s``) or forced."""
+        if self._publish_metrics is None:
+            return
+        key = self._metrics_key()
+        now = time.monotonic()
+        if force or (
+            key != self._metrics_sent and now - self._metrics_at >= self.cfg.metrics_interval_s
+        ):
+            self._metrics_sent, self._metrics_at = key, now
+            self._publish_metrics(self.metrics())
+
+    # -- readers --------------------------------------------------------------------------
+
+    def _wake_readers(self) -> None:
+        readers, self._readers = self._readers, []
+        for req in readers:
+            if req.waiter is None:
+                continue  # woken already
+            if req.phase is Phase.DECODE or req.done:
+                req.wake()
+            else:
+                self._readers.append(req)
+        self._urgent = False
+
+    async def wait_step_boundary(self) -> None:
+        """Return once no step is in flight."""
+        if self._step_done is not None:
+            await self._step_done.wait()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _expire(self) -> float:
+        """End transfers past their deadline; returns the next deadline (inf if none)."""
+        now, nearest = anyio.current_time(), float("inf")
+        for req in [*self.owed.values(), *self.running]:
+            if req.phase not in (Phase.OWED, Phase.AWAITING_KV):
+                continue
+            if req.deadline > now:
+                nearest = min(nearest, req.deadline)
+            elif req.phase is Phase.OWED:
+                self.end(req)
+            else:
+                self.end(req, error=KVTransferError(f"{req.rid}: no KV within the timeout"))
+        return nearest
+
+    async def _idle(self) -> None:
+        self._clock = None
+        self._wake_readers()
+        self.publish_metrics(force=self._metrics_sent != self._metrics_key())  # the final state
+        timeout = self.cfg.metrics_heartbeat_s
+        if self.owed or any(r.phase is Phase.AWAITING_KV for r in self.running):
+            timeout = min(timeout, max(0.0, self._expire() - anyio.current_time()))
+        assert self._wake_event is not None
+        with anyio.move_on_after(timeout) as scope:
+            await self._wake_event.wait()
+        if scope.cancelled_caught:
+            self.publish_metrics(force=True)  # a heartbeat, for late subscribers
+
+    async def run(self) -> None:
+        """The step loop; runs until cancelled."""
+        cfg, timing = self.cfg, self.cfg.timing
+        last_yield = time.perf_counter()
+        while True:
+            self._wake_event = anyio.Event()
+            if self._deferred:
+                deferred, self._deferred = self._deferred, []
+                for req in deferred:
+                    self.end(req)
+            step = self._plan() if not self.paused and self.memory_ready else None
+            if step is None:
+                await self._idle()
+                continue
+            if timing.instant:
+                self._commit(step)
+                if cfg.record_steps:
+                    self._record(step, anyio.current_time())
+                # Yield once the readers' wake-ups would cost at most about as much as the
+                # steps run meanwhile: each reader then gets many tokens per wake-up.
+                budget = max(cfg.instant_yield_s, len(self._readers) * _READER_WAKE_S)
+                if time.perf_counter() - last_yield >= budget:
+                    self._wake_readers()
+                    self.publish_metrics()
+                    await anyio.lowlevel.checkpoint()
+                    last_yield = time.perf_counter()
+                elif self._urgent:
+                    # First or last tokens were handed to their (already woken) readers: let
+                    # them run now; the other readers keep collecting tokens.
+                    self._urgent = False
+                    await anyio.lowlevel.checkpoint()
+                continue
+            now = anyio.current_time()
+            clock = self._clock
+            start = clock if clock is not None and now - clock < _MAX_LAG_S else now
+            end = start + step[2]
+            self._step_done = anyio.Event()
+            self.batch.frozen = True
+            try:
+                await anyio.sleep(max(0.0, end - now))
+            finally:
+                self._step_done.set()
+                self._step_done = None
+            self._clock = end
+            self._commit(step)
+            if cfg.record_steps:
+                self._record(step, start)
+            self._wake_readers()
+            self.publish_metrics()
+
+    def _record(self, step: Step, started: float) -> None:
+        _, _, seconds, prefill, decode, frac = step
+        self.records.append(
+            StepRecord(
+                prefill_tokens=prefill,
+                decode_requests=decode,
+                kv_fraction=frac,
+                seconds=seconds,
+                started=started,
+                committed=anyio.current_time(),
+            )
+        )

@@ -1,0 +1,191 @@
+"""One request's state inside the mock engine, and the stream ``generate`` hands out.
+
+The scheduler appends generated tokens to ``seq`` and wakes the stream's waiter; the stream hands
+out ``seq[delivered:]`` as one :class:`EngineOutput`, so a consumer that falls behind receives
+several tokens at once (SGLang's incremental streaming) instead of one wake-up per token.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol, Self
+
+import anyio
+
+from protocols.engine import BootstrapInfo, EngineOutput, FinishReason, PreprocessedRequest, Usage
+from protocols.errors import RequestError
+
+__all__ = ["EngineStream", "MockRequest", "Phase", "StreamHost"]
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued (also: retracted, to be re-prefilled)
+    PREFILL = "prefill"  # admitted: KV allocated, prefill chunks running
+    DECODE = "decode"  # in the decode batch
+    AWAITING_KV = "awaiting_kv"  # decode role: KV allocated, waiting for the transfer
+    OWED = "owed"  # prefill role: finished, KV held until the transfer is done
+    FINISHED = "finished"
+
+
+class MockRequest:
+    """Everything the scheduler tracks about one request (a plain, slotted record)."""
+
+    __slots__ = (
+        "blocks",
+        "bootstrap",
+        "cached_tokens",
+        "deadline",
+        "delivered",
+        "disagg_params",
+        "error",
+        "finish_reason",
+        "hashes",
+        "kv_len",
+        "max_new",
+        "min_new",
+        "ngen",
+        "phase",
+        "prompt_len",
+        "rank",
+        "request",
+        "rid",
+        "seed_word",
+        "seq",
+        "slot",
+        "stop",
+        "transfer_ready",
+        "waiter",
+        "was_admitted",
+    )
+
+    def __init__(
+        self,
+        request: PreprocessedRequest,
+        rank: int,
+        *,
+        max_new: int,
+        min_new: int,
+        stop: frozenset[int],
+        seed_word: int,
+        bootstrap: BootstrapInfo | None,
+    ) -> None:
+        self.request = request
+        self.rid = request.rid
+        self.rank = rank
+        self.seq: list[int] = list(request.token_ids)
+        self.prompt_len = len(self.seq)
+        self.max_new = max_new
+        self.min_new = min_new
+        self.stop = stop
+        self.seed_word = seed_word
+        self.bootstrap = bootstrap  # set only when a real KV transfer is involved
+        self.phase = Phase.WAITING
+        self.ngen = 0
+        self.kv_len = 0  # tokens whose KV is computed (and held in ``blocks``)
+        self.blocks: list[int] = []
+        self.hashes: list[int] = []  # chained hashes of the full pages of ``seq`` computed so far
+        self.slot = -1
+        self.cached_tokens = 0
+        self.was_admitted = False
+        self.delivered = len(self.seq)  # seq[:delivered] is prompt or handed to the stream
+        self.disagg_params: BootstrapInfo | None = None  # echoed on a prefill's last output
+        self.finish_reason: FinishReason | None = None
+        self.error: RequestError | None = None
+        self.waiter: anyio.Event | None = None
+        self.transfer_ready: anyio.Event | None = None
+        self.deadline = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            waiter.set()
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_len,
+            completion_tokens=self.ngen,
+            cached_tokens=self.cached_tokens,
+        )
+
+
+class StreamHost(Protocol):
+    """What a stream needs from its rank's scheduler."""
+
+    def sync(self, req: MockRequest) -> None: ...
+
+    def park(self, req: MockRequest) -> anyio.Event: ...
+
+    def end(self, req: MockRequest) -> None: ...
+
+    def end_later(self, req: MockRequest) -> None: ...
+
+
+class EngineStream:
+    """The async iterator ``MockEngine.generate`` returns.
+
+    Closing it (``aclose``) before the end aborts the request; so does dropping it unfinished
+    (the abort is then deferred to the scheduler, as a finaliser may run at any point).
+    Typed errors (``KVCorrupted``, ``KVTransferError``, ``EngineShutdown``, ``InvalidRequest``)
+    are raised after the tokens generated before them were handed out.
+    """
+
+    def __init__(
+        self, req: MockRequest | None, host: StreamHost | None, error: RequestError | None = None
+    ) -> None:
+        self._req = req
+        self._host = host
+        self._error = error
+        self._closed = False
+
+    @property
+    def rid(self) -> str | None:
+        return self._req.rid if self._req is not None else None
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> EngineOutput:
+        req, host = self._req, self._host
+        if self._closed:
+            raise StopAsyncIteration
+        if req is None or host is None:
+            self._closed = True
+            assert self._error is not None
+            raise self._error
+        host.sync(req)
+        while req.delivered >= len(req.seq) and not req.done:
+            await host.park(req).wait()
+            host.sync(req)
+        tokens = req.seq[req.delivered :]
+        req.delivered += len(tokens)
+        if req.error is not None:
+            if tokens:
+                return EngineOutput(token_ids=tokens)
+            self._closed = True
+            raise req.error
+        if req.finish_reason is None:
+            return EngineOutput(token_ids=tokens)
+        self._closed = True
+        return EngineOutput(
+            token_ids=tokens,
+            finish_reason=req.finish_reason,
+            usage=req.usage(),
+            disaggregated_params=req.disagg_params,
+        )
+
+    async def aclose(self) -> None:
+        """Stop reading; aborts the request if it has not finished."""
+        if not self._closed:
+            self._closed = True
+            if self._req is not None and self._host is not None and not self._req.done:
+                self._host.end(self._req)
+
+    def __del__(self) -> None:
+        req, host = self._req, self._host
+        if not self._closed and req is not None and host is not None and not req.done:
+            host.end_later(req)

@@ -1,0 +1,385 @@
+"""One data-parallel rank's continuous-batching scheduler.
+
+Each step: give decode requests that filled their last block a new one (retracting the newest
+running request when none is left, as SGLang does under memory pressure), continue chunked
+prefills, admit waiting requests FCFS while slots, token budget (``max_batch_tokens``, decode
+tokens included) and blocks allow (prefix cache first), then run the step: sleep the timing
+model's time against a virtual clock (so wake-up lateness never accumulates) and commit. Requests
+join and leave only between steps; one that is aborted or retracted while a step is in flight is
+skipped when the step commits.
+
+The loop itself (timing, yields, reader wake-ups, metrics) is ``LoopMixin``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+import numpy as np
+
+from actors.engines._mock._batch import DecodeBatch
+from actors.engines._mock._config import MockEngineConfig
+from actors.engines._mock._kvmem import KvPageMemory
+from actors.engines._mock._loop import LoopMixin, Step, StepRecord
+from actors.engines._mock._pages import fill_pages, hashes_upto, write_partial
+from actors.engines._mock._pool import BlockPool
+from actors.engines._mock._publish import KvEventPublisher
+from actors.engines._mock._request import MockRequest, Phase
+from actors.engines._mock._tokens import TokenModel
+from actors.engines._mock._wire import KvMetrics
+from protocols.engine import FinishReason, PauseMode
+from protocols.errors import RequestError
+
+__all__ = ["RankScheduler"]
+
+_RUNNING = (Phase.PREFILL, Phase.DECODE, Phase.AWAITING_KV)
+_COMPUTING = (Phase.PREFILL, Phase.DECODE)
+
+
+class RankScheduler(LoopMixin):
+    """Queues, batch, KV blocks and the step loop of one rank."""
+
+    def __init__(
+        self,
+        rank: int,
+        cfg: MockEngineConfig,
+        tokens: TokenModel,
+        memory: KvPageMemory,
+        events: KvEventPublisher | None,
+        publish_metrics: Callable[[KvMetrics], None] | None,
+        on_end: Callable[[MockRequest], None],
+    ) -> None:
+        self.rank, self.cfg, self.tokens = rank, cfg, tokens
+        self.memory, self.events = memory, events
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
+        self.batch = DecodeBatch(cfg.max_running_requests, cfg.block_size, tokens, self.decide)
+        self._publish_metrics = publish_metrics
+        self._on_end = on_end
+        self.waiting: deque[MockRequest] = deque()
+        self.running: list[MockRequest] = []  # admission order: PREFILL, DECODE, AWAITING_KV
+        self.prefilling: list[MockRequest] = []
+        self.owed: dict[str, MockRequest] = {}
+        self._needs_block: list[MockRequest] = []
+        self._deferred: list[MockRequest] = []
+        self._readers: list[MockRequest] = []
+        self._free_slots = list(range(cfg.max_running_requests))  # a heap: lowest first
+        self._dirty = False  # running / prefilling hold requests that left them
+        self.paused = False
+        self.memory_ready = True
+        self.closed = False
+        self._urgent = False  # a reader should see this step at once (first or last token)
+        self._wake_event: anyio.Event | None = None
+        self._step_done: anyio.Event | None = None
+        self._clock: float | None = None
+        self._metrics_sent: tuple[int, ...] | None = None
+        self._metrics_at = 0.0
+        self.steps = self.prefill_tokens = self.generated = self.retractions = 0
+        self.prompt_tokens = self.cached_tokens = 0
+        self.simulated_s = 0.0
+        self.records: list[StepRecord] = []
+
+    # -- calls from the engine and the streams (same thread as the loop) ---------------------
+
+    def wake(self) -> None:
+        if self._wake_event is not None:
+            self._wake_event.set()
+
+    def submit(self, req: MockRequest) -> None:
+        self.waiting.append(req)
+        self.wake()
+
+    def load(self) -> tuple[int, int]:
+        return len(self.waiting) + len(self.running), self.pool.used
+
+    def sync(self, req: MockRequest) -> None:
+        self.batch.sync(req)
+
+    def park(self, req: MockRequest) -> anyio.Event:
+        """An event set when ``req`` may have news for its reader."""
+        if req.waiter is None:
+            req.waiter = anyio.Event()
+            self._readers.append(req)
+        return req.waiter
+
+    def end(
+        self,
+        req: MockRequest,
+        reason: FinishReason = "cancelled",
+        error: RequestError | None = None,
+    ) -> None:
+        """Finish ``req`` in whatever phase it is (abort, failure, shutdown) and free its KV."""
+        if req.phase is not Phase.FINISHED:
+            self._end(req, reason, error)
+            self.after_change()
+
+    def end_later(self, req: MockRequest) -> None:
+        """Abort ``req`` at the next step boundary (from a finaliser, which may run anywhere)."""
+        if not self.closed:
+            self._deferred.append(req)
+            self.wake()
+
+    def after_change(self) -> None:
+        """Tidy the queues and publish after a call changed requests or blocks."""
+        self._compact()
+        self.flush_events()
+        self.wake()
+
+    def pause(self, mode: PauseMode) -> None:
+        self.paused = True
+        if mode is PauseMode.ABORT:
+            for req in [*self.waiting, *self.running]:
+                self._end(req, "cancelled", None)
+        elif mode is PauseMode.RETRACT:
+            # A request waiting for its KV keeps its blocks: a transfer may be writing them.
+            retracted = [r for r in self.running if r.phase in _COMPUTING]
+            for req in retracted:
+                self._retract(req)
+            self.waiting.extendleft(reversed(retracted))
+        self.after_change()
+
+    def resume(self) -> None:
+        self.paused = False
+        self.wake()
+
+    def holds_kv(self) -> bool:
+        return self.pool.used > 0
+
+    def idle(self) -> bool:
+        self._compact()
+        return not (self.waiting or self.running or self.owed or self._deferred)
+
+    def flush_events(self) -> None:
+        events = self.pool.take_events()
+        if events and self.events is not None:
+            self.events.publish(events)
+
+    # -- request bookkeeping --------------------------------------------------------------
+
+    def _end(self, req: MockRequest, reason: FinishReason, error: RequestError | None) -> None:
+        if req.phase is Phase.WAITING:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.owed.pop(req.rid, None)
+        self._free(req)
+        req.phase = Phase.FINISHED
+        self._dirty = True
+        if error is not None and not req.done:
+            req.error = error
+        elif req.finish_reason is None and req.error is None:
+            req.finish_reason = reason
+        self._urgent = True
+        req.wake()
+        if req.transfer_ready is not None:
+            req.transfer_ready.set()
+        self._on_end(req)
+
+    def _free(self, req: MockRequest) -> None:
+        if req.phase is Phase.DECODE:
+            self.batch.leave(req)
+        if req.slot >= 0:
+            heapq.heappush(self._free_slots, req.slot)
+            req.slot = -1
+        if req.blocks:
+            self.pool.release(req.blocks)
+            req.blocks = []
+
+    def _retract(self, req: MockRequest) -> None:
+        self._free(req)
+        req.kv_len = 0
+        req.phase = Phase.WAITING
+        self._dirty = True
+        self.retractions += 1
+
+    def _compact(self) -> None:
+        if self._dirty:
+            self._dirty = False
+            self.running = [r for r in self.running if r.phase in _RUNNING]
+            self.prefilling = [r for r in self.prefilling if r.phase is Phase.PREFILL]
+
+    def decide(
+        self, req: MockRequest, regular: int, eos: bool, ngen: int
+    ) -> tuple[int, FinishReason | None]:
+        """The token ``req`` produces after ``ngen`` tokens given the model's candidates, and
+        whether it stops there."""
+        suppress = ngen < req.min_new  # min_tokens: no stop token before that many
+        token = self.tokens.eos_token_id if eos and not suppress else regular
+        if token in req.stop:
+            if not suppress:
+                return token, "stop"
+            token = self.tokens.alternative(token, req.stop)
+        return token, None
+
+    def start_decoding(
+        self, req: MockRequest, h: int, token: int, reason: FinishReason | None
+    ) -> None:
+        """Append the token a prefill (or a KV transfer) produced after a sequence of hash
+        ``h``; then decode, or finish."""
+        req.seq.append(token)
+        req.ngen += 1
+        self.generated += 1
+        self._urgent = True
+        if reason is not None or req.ngen >= req.max_new:
+            self._end(req, reason or "length", None)
+            return
+        self._dirty = True  # no longer prefilling
+        self.batch.add(req, self.tokens.extend(h, token))
+        if req.kv_len == len(req.blocks) * self.cfg.block_size:
+            self._needs_block.append(req)
+        req.wake()
+
+    # -- planning -------------------------------------------------------------------------
+
+    def _admit(self, req: MockRequest, transfer: bool) -> bool:
+        cfg = self.cfg
+        if transfer:
+            new = self.pool.allocate(cfg.blocks_for(req.prompt_len))
+            if new is None:
+                return False
+            req.blocks = new
+            req.phase = Phase.AWAITING_KV
+            req.deadline = anyio.current_time() + cfg.transfer_timeout_s
+            if req.transfer_ready is not None:
+                req.transfer_ready.set()
+        else:
+            n = len(req.seq)
+            matched = self.pool.match(hashes_upto(req, (n - 1) // cfg.block_size, cfg.block_size))
+            new = self.pool.allocate(cfg.blocks_for(n) - len(matched))
+            if new is None:
+                self.pool.release(matched)
+                return False
+            req.blocks = matched + new
+            req.kv_len = len(matched) * cfg.block_size
+            req.phase = Phase.PREFILL
+            self.prefilling.append(req)
+        if not req.was_admitted:
+            req.was_admitted = True
+            req.cached_tokens = req.kv_len
+            self.prompt_tokens += req.prompt_len
+            self.cached_tokens += req.kv_len
+        req.slot = heapq.heappop(self._free_slots)
+        self.running.append(req)
+        self.waiting.popleft()
+        return True
+
+    def _grow_decoders(self) -> None:
+        bs = self.cfg.block_size
+        for req in self._needs_block:
+            while req.phase is Phase.DECODE and self.batch.kv_of(req) >= len(req.blocks) * bs:
+                got = self.pool.allocate(1)
+                if got is not None:
+                    req.blocks.extend(got)
+                    self.batch.grow(req)
+                    break
+                victim = next(r for r in reversed(self.running) if r.phase in _COMPUTING)
+                self._retract(victim)
+                self.waiting.appendleft(victim)
+                self._compact()
+        self._needs_block.clear()
+
+    def _plan(self) -> Step | None:
+        cfg = self.cfg
+        if self._needs_block:
+            self._grow_decoders()
+        decode = self.batch.size
+        budget = cfg.max_batch_tokens - decode
+        chunks: list[tuple[MockRequest, int]] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(len(req.seq) - req.kv_len, budget)
+            chunks.append((req, n))
+            budget -= n
+        disagg = cfg.role == "decode"
+        while self.waiting and len(self.running) < cfg.max_running_requests:
+            req = self.waiting[0]
+            transfer = disagg and req.bootstrap is not None
+            if not transfer and budget <= 0:
+                break
+            if not self._admit(req, transfer):
+                break
+            if not transfer:
+                n = min(len(req.seq) - req.kv_len, budget)
+                chunks.append((req, n))
+                budget -= n
+        if not chunks and not decode:
+            return None
+        prefill = sum(n for _, n in chunks)
+        frac = self.pool.used / cfg.num_blocks
+        seconds = cfg.timing.step_seconds(prefill, bool(decode), frac)
+        return chunks, self.batch.hi if decode else 0, seconds, prefill, decode, frac
+
+    # -- committing -----------------------------------------------------------------------
+
+    def _commit(self, step: Step) -> None:
+        chunks, hi, seconds = step[:3]
+        self.steps += 1
+        self.simulated_s += seconds
+        if hi:
+            produced, (fills, finished, full) = self.batch.commit(hi)
+            self.generated += produced
+            for req, start, end in fills:
+                self.batch.sync(req)
+                fill_pages(req, start, end, self.cfg.block_size, self.memory, self.pool)
+            for req, why in finished:
+                self._end(req, why, None)
+            self._needs_block.extend(full)
+        self.batch.thaw()
+        done: list[MockRequest] = []
+        for req, n in chunks:
+            if req.phase is not Phase.PREFILL:
+                continue  # aborted or retracted while the step ran
+            start = req.kv_len
+            req.kv_len += n
+            self.prefill_tokens += n
+            fill_pages(req, start, req.kv_len, self.cfg.block_size, self.memory, self.pool)
+            if req.kv_len == len(req.seq):
+                done.append(req)
+        if done:
+            self._complete_prefills(done)
+        self._compact()
+        self.flush_events()
+
+    def _complete_prefills(self, done: list[MockRequest]) -> None:
+        hs = np.array([self.tokens.prefix_hash(r.seq) for r in done], dtype=np.uint64)
+        seeds = np.array([r.seed_word for r in done], dtype=np.uint64)
+        regular, eos = self.tokens.next_tokens(hs, seeds)
+        for i, req in enumerate(done):
+            write_partial(req, self.cfg.block_size, self.memory)
+            if req.ngen >= req.max_new:
+                self._end(req, "length", None)
+                continue
+            flag = bool(eos is not None and eos[i])
+            token, reason = self.decide(req, int(regular[i]), flag, req.ngen)
+            if self.cfg.role != "prefill":
+                self.start_decoding(req, int(hs[i]), token, reason)
+            elif req.bootstrap is None:
+                req.seq.append(token)
+                req.ngen += 1
+                self.generated += 1
+                self._end(req, reason or "length", None)
+            else:
+                self._owe(req, token, reason)
+
+    def _owe(self, req: MockRequest, token: int, reason: FinishReason | None) -> None:
+        """Prefill role: the one token goes out; the KV stays until the decode side took it."""
+        req.seq.append(token)
+        req.ngen += 1
+        self.generated += 1
+        heapq.heappush(self._free_slots, req.slot)
+        req.slot = -1
+        req.phase = Phase.OWED
+        self._dirty = True
+        req.finish_reason = reason or "length"
+        req.disagg_params = req.bootstrap
+        req.deadline = anyio.current_time() + self.cfg.transfer_timeout_s
+        self.owed[req.rid] = req
+        self._urgent = True
+        req.wake()
+        if req.transfer_ready is not None:
+            req.transfer_ready.set()
+        self._on_end(req)

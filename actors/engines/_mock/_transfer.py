@@ -1,0 +1,150 @@
+"""The KV-transfer hook: how a transfer layer (NIXL) moves a prompt's KV pages from a prefill
+engine's buffer into a decode engine's buffer, and lets decode continue.
+
+The engines do not move bytes themselves; they only expose where the pages are and when they may
+be touched. For a request ``req`` with ``req.bootstrap_info`` set (any host but
+``FAKE_BOOTSTRAP_HOST``)::
+
+    # decode worker                                   # prefill worker
+    stream = decode.generate(req)                     out = [o async for o in prefill.generate(req)]
+    dst = await decode.wait_transfer_target(rid)      src = await prefill.wait_transfer_source(rid)
+                 # ... the transfer layer WRITEs src.block_ids -> dst.block_ids, page i to page i,
+                 #     using kv_memory(rank) of each side (address + block_id * block_bytes) ...
+    decode.complete_transfer(rid)                     prefill.release_transfer(rid)
+    async for out in stream: ...                      # (or fail_transfer(rid, why) on decode)
+
+- ``wait_transfer_target``: returns once the decode scheduler admitted the request and allocated
+  fresh blocks for its prompt (it holds a running slot meanwhile, like SGLang's pre-allocation).
+- ``wait_transfer_source``: returns once the prefill finished (its stream has ended with one token
+  and ``disaggregated_params``); the blocks stay referenced ("owed") until ``release_transfer``,
+  ``abort`` or ``transfer_timeout_s``, and ``is_quiescent`` is false meanwhile.
+- ``complete_transfer``: decode verifies every page against the prompt (chained page hashes, the
+  trailing partial page included); on success the pages enter its prefix cache (``BlockStored``)
+  and decoding continues, with the first token recomputed deterministically (it equals the one the
+  prefill produced); on a mismatch the stream raises :class:`protocols.errors.KVCorrupted`.
+- Both sides number pages the same way: page ``i`` holds prompt tokens ``[i*bs, (i+1)*bs)``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.engines._mock._kvmem import KvPageMemory, prompt_page_hashes
+from actors.engines._mock._request import MockRequest, Phase
+from actors.engines._mock._scheduler import RankScheduler
+from actors.engines._mock._tokens import TokenModel
+from protocols.errors import KVCorrupted, KVTransferError
+
+__all__ = ["KvPages", "TransferMixin"]
+
+
+class KvPages(msgspec.Struct, frozen=True, kw_only=True):
+    """The pages of one request's prompt KV on one side of a transfer."""
+
+    rid: str
+    dp_rank: int
+    block_ids: tuple[int, ...]  # page i of the prompt lives in block_ids[i]
+    num_tokens: int  # prompt tokens covered (the last page may be partial)
+    block_size: int
+    block_bytes: int
+    memory_generation: int  # KvMemoryInfo.generation the block ids refer to
+
+    def byte_offsets(self) -> list[int]:
+        """Byte offset of each page within its rank's KV buffer."""
+        return [b * self.block_bytes for b in self.block_ids]
+
+
+class TransferMixin:
+    """The transfer-hook methods of ``MockEngine``."""
+
+    _ranks: list[RankScheduler]
+    _memories: list[KvPageMemory]
+    _tokens: TokenModel
+
+    def _find(self, rid: str) -> MockRequest | None:
+        raise NotImplementedError
+
+    def _pages(self, req: MockRequest) -> KvPages:
+        memory, cfg = self._memories[req.rank], self._ranks[req.rank].cfg
+        return KvPages(
+            rid=req.rid,
+            dp_rank=req.rank,
+            block_ids=tuple(req.blocks[: cfg.blocks_for(req.prompt_len)]),
+            num_tokens=req.prompt_len,
+            block_size=cfg.block_size,
+            block_bytes=memory.block_bytes,
+            memory_generation=memory.generation,
+        )
+
+    def _expecting(self, rid: str) -> MockRequest:
+        req = self._find(rid)
+        if req is None or req.transfer_ready is None:
+            raise KVTransferError(f"{rid}: no KV transfer pending for this request")
+        return req
+
+    async def wait_transfer_target(self, rid: str) -> KvPages:
+        """Decode side: the blocks the prompt's pages must be written to."""
+        req = self._expecting(rid)
+        assert req.transfer_ready is not None
+        await req.transfer_ready.wait()
+        if req.phase is not Phase.AWAITING_KV:
+            raise KVTransferError(f"{rid}: the request ended before its KV arrived")
+        return self._pages(req)
+
+    def complete_transfer(self, rid: str) -> bool:
+        """Decode side: the pages are written; verify them and continue decoding.
+
+        Returns whether they verified; a failure ends the stream with ``KVCorrupted``.
+        """
+        req = self._expecting(rid)
+        if req.phase is not Phase.AWAITING_KV:
+            raise KVTransferError(f"{rid}: not waiting for KV (phase {req.phase.value})")
+        sched, memory = self._ranks[req.rank], self._memories[req.rank]
+        bs = sched.cfg.block_size
+        prompt = req.seq[: req.prompt_len]
+        hashes = prompt_page_hashes(prompt, bs)
+        bad = [i for i, h in enumerate(hashes) if not memory.verify(req.blocks[i], h)]
+        if bad:
+            error = KVCorrupted(
+                f"{rid}: {len(bad)} of {len(hashes)} KV pages failed verification "
+                f"(first: page {bad[0]})"
+            )
+            sched.end(req, error=error)
+            return False
+        full = req.prompt_len // bs
+        req.hashes = hashes[:full]
+        for p in range(full):
+            parent = hashes[p - 1] if p else None
+            sched.pool.register(req.blocks[p], hashes[p], parent, prompt[p * bs : (p + 1) * bs])
+        req.kv_len = req.prompt_len
+        req.bootstrap = None  # from now on a retraction re-prefills locally
+        if req.ngen >= req.max_new:
+            sched.end(req, "length")
+            return True
+        h = self._tokens.prefix_hash(prompt)
+        regular, eos = self._tokens.next_token(h, req.seed_word)
+        token, reason = sched.decide(req, regular, eos, req.ngen)
+        sched.start_decoding(req, h, token, reason)
+        sched.after_change()
+        return True
+
+    def fail_transfer(self, rid: str, message: str) -> None:
+        """Decode side: the transfer failed; the stream raises ``KVTransferError(message)``."""
+        req = self._find(rid)
+        if req is not None:
+            self._ranks[req.rank].end(req, error=KVTransferError(message))
+
+    async def wait_transfer_source(self, rid: str) -> KvPages:
+        """Prefill side: the blocks holding the prompt's pages, once the prefill has finished."""
+        req = self._expecting(rid)
+        assert req.transfer_ready is not None
+        await req.transfer_ready.wait()
+        if req.phase is not Phase.OWED:
+            raise KVTransferError(f"{rid}: the prefill ended without KV to transfer")
+        return self._pages(req)
+
+    def release_transfer(self, rid: str) -> None:
+        """Prefill side: the decode side has the pages; free them (they stay prefix-cached)."""
+        req = self._find(rid)
+        if req is not None and req.phase is Phase.OWED:
+            self._ranks[req.rank].end(req)

@@ -1,0 +1,28 @@
+"""The OpenAI-compatible HTTP frontend.
+
+``create_app(backend, registry)`` builds the ASGI app (chat and text completions, streaming or
+not, ``/v1/models``, ``/health``, ``/live``, ``/metrics``); ``serve(app)`` serves it with hypercorn
+on asyncio or trio. The :class:`Backend` protocol is the seam to whatever runs the requests (the
+router and request-stream actors); :class:`ModelInfo` describes a served model and its
+:class:`Tokenizer` (:class:`ByteTokenizer` for the mock engine, :class:`HFTokenizer` for real
+models).
+"""
+
+from actors.frontend._app import create_app
+from actors.frontend._backend import Backend, EndpointStatus, ModelInfo
+from actors.frontend._metrics import FrontendMetrics
+from actors.frontend._serve import serve
+from actors.frontend._tokenizer import ByteTokenizer, Detokenizer, HFTokenizer, Tokenizer
+
+__all__ = [
+    "Backend",
+    "ByteTokenizer",
+    "Detokenizer",
+    "EndpointStatus",
+    "FrontendMetrics",
+    "HFTokenizer",
+    "ModelInfo",
+    "Tokenizer",
+    "create_app",
+    "serve",
+]

@@ -1,0 +1,81 @@
+"""Helpers around the backend's output iterator and the client's connection."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from starlette.types import Receive
+
+from protocols.engine import EngineOutput
+from protocols.errors import StreamIncomplete
+
+__all__ = ["CLOSE_TIMEOUT_S", "aclose_quietly", "next_output", "until_disconnected"]
+
+log = logging.getLogger("actorserve.frontend")
+
+T = TypeVar("T")
+
+#: How long a backend iterator may take to clean up (send its abort) once closed.
+CLOSE_TIMEOUT_S = 5.0
+
+
+async def next_output(outputs: AsyncIterator[EngineOutput]) -> EngineOutput:
+    """The next output; an iterator that ends before its finish reason is a truncated stream."""
+    try:
+        return await outputs.__anext__()
+    except StopAsyncIteration:
+        raise StreamIncomplete("the output stream ended without a finish reason") from None
+
+
+async def aclose_quietly(outputs: AsyncIterator[EngineOutput]) -> None:
+    """Close the backend's iterator (its cue to abort the request), shielded and bounded.
+
+    Shielded: this runs while the request is being cancelled, and the backend's cleanup must be
+    able to await (send the abort). Bounded: a backend that hangs in cleanup must not hold the
+    connection forever. Errors are logged, not raised: the request is over either way.
+    """
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is None:
+        return
+    with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True) as scope:
+        try:
+            await aclose()
+        except Exception as exc:
+            log.warning("backend output stream failed to close cleanly", exc_info=exc)
+    if scope.cancelled_caught:
+        log.warning("backend output stream took over %.0f s to close", CLOSE_TIMEOUT_S)
+
+
+async def until_disconnected(
+    receive: Receive, fn: Callable[[], Awaitable[T]]
+) -> tuple[T | None, bool]:
+    """Run ``fn`` unless the client disconnects first, which cancels it.
+
+    Returns ``(result, False)``, or ``(None, True)`` when the client went away. Exceptions of
+    ``fn`` propagate as they are (not wrapped in an exception group).
+    """
+    result: T | None = None
+    error: Exception | None = None
+    disconnected = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal disconnected
+            # The body was read already, so the next message is the disconnect.
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result = await fn()
+        except Exception as exc:
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return (None, True) if disconnected else (result, False)

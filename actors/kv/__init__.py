@@ -1,0 +1,60 @@
+"""KV cache transfer between prefill and decode workers over NIXL (UCX), SGLang-style.
+
+Pieces, from the bottom up:
+
+- :class:`NixlAgent`: one NIXL agent (UCX backend, progress thread off) with leak accounting.
+- :class:`KVPool`: a worker's KV pages in one region (host or GPU memory), registered with NIXL
+  once; allocates pages (contiguous runs when it can) and adopts an engine's own buffer.
+- :class:`PrefillKV` / :class:`PrefillRoom`: the prefill worker's bootstrap endpoint (ZMQ
+  ROUTER) and its rooms: register a room, publish its bootstrap triple, ``send`` the computed
+  pages (one coalesced, batched NIXL WRITE plus one notification), ``wait_transfers_done``.
+- :class:`DecodeKV`: the decode worker's side: ``connect`` to prefill endpoints ahead of time,
+  ``receive`` a room into freshly allocated pages, verified by per-page checksums.
+
+Failures are :mod:`protocols.errors` types: :class:`~protocols.errors.KVTransferError`
+(migratable) and :class:`~protocols.errors.KVCorrupted`. Wire messages: :mod:`protocols.kv`.
+"""
+
+from actors.kv._bootstrap import (
+    KVConfig,
+    bootstrap_endpoint,
+    bootstrap_info,
+    new_room,
+)
+from actors.kv._checksum import checksums_of, page_checksums
+from actors.kv._decode import DecodeKV, DecodeStatistics, ExpectedChecksums, ReceivedKV
+from actors.kv._nixl import AgentStatistics, NixlAgent, NixlError, load_nixl
+from actors.kv._pool import KVPool, KVPoolExhausted, PageAllocation, PoolStatistics
+from actors.kv._prefill import PrefillKV, PrefillStatistics
+from actors.kv._room import DecodeCancelled, PrefillRoom, RoomState, TransferResult
+from actors.kv._transfer import Descriptors, TransferAborted, coalesce
+
+__all__ = [
+    "AgentStatistics",
+    "DecodeCancelled",
+    "DecodeKV",
+    "DecodeStatistics",
+    "Descriptors",
+    "ExpectedChecksums",
+    "KVConfig",
+    "KVPool",
+    "KVPoolExhausted",
+    "NixlAgent",
+    "NixlError",
+    "PageAllocation",
+    "PoolStatistics",
+    "PrefillKV",
+    "PrefillRoom",
+    "PrefillStatistics",
+    "ReceivedKV",
+    "RoomState",
+    "TransferAborted",
+    "TransferResult",
+    "bootstrap_endpoint",
+    "bootstrap_info",
+    "checksums_of",
+    "coalesce",
+    "load_nixl",
+    "new_room",
+    "page_checksums",
+]

@@ -1,0 +1,98 @@
+"""What both ends of the bootstrap channel share: configuration, rooms, endpoints, page codecs.
+
+The channel is ZMQ: the prefill worker binds a ROUTER (its *bootstrap endpoint*, on 127.0.0.1
+or ``ipc://`` by default), every decode worker connects one DEALER to it. An endpoint travels in
+SGLang's bootstrap triple as ``(host, port)``: a TCP endpoint as its host and port, an ``ipc://``
+endpoint as the whole address in ``host`` with port 0.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from protocols.engine import BootstrapInfo
+from protocols.kv import ROOM_BITS
+
+__all__ = [
+    "KVConfig",
+    "bootstrap_endpoint",
+    "bootstrap_info",
+    "new_room",
+    "pack_pages",
+    "unpack_pages",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVConfig:
+    """Timeouts and polling of the KV transfer service (seconds).
+
+    ``heartbeat_interval``/``peer_timeout``: decode pings every prefill peer, prefill answers;
+    a side that hears nothing from its peer for ``peer_timeout`` declares it dead (prefill
+    aborts the peer's rooms and frees their pages; decode fails its rooms with a migratable
+    :class:`~protocols.errors.KVTransferError`).
+    ``bootstrap_timeout``: how long prefill waits for decode's page list (and a room request
+    for a room prefill has not opened yet is kept), and how long decode waits for ``Welcome``.
+    ``transfer_timeout``: one WRITE, post to done. ``receive_timeout``: decode's default wait
+    for a room's KV, from its request (so it includes prefill's compute time).
+    ``settle_timeout``: how long an aborted WRITE may take to become terminal.
+    ``idle_poll_s``: the decode side's NIXL notification poll when no write is announced
+    (it also answers UCX wire-up); while one is, it polls without sleeping.
+    ``spin_s``: the initiator spins on the transfer state this long before backing off.
+    """
+
+    heartbeat_interval: float = 0.25
+    peer_timeout: float = 2.0
+    bootstrap_timeout: float = 30.0
+    transfer_timeout: float = 30.0
+    receive_timeout: float = 120.0
+    settle_timeout: float = 5.0
+    idle_poll_s: float = 0.005
+    spin_s: float = 0.02
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.peer_timeout <= self.heartbeat_interval:
+            raise ValueError("peer_timeout must exceed heartbeat_interval")
+
+
+def new_room() -> int:
+    """A fresh random 63-bit room, as SGLang's router draws them."""
+    return secrets.randbits(ROOM_BITS)
+
+
+def check_room(room: int) -> int:
+    if not 0 <= room < (1 << ROOM_BITS):
+        raise ValueError(f"room {room} is not a non-negative 63-bit integer")
+    return room
+
+
+def bootstrap_info(endpoint: str, room: int) -> BootstrapInfo:
+    """The bootstrap triple for a room of the prefill worker bound at ``endpoint``."""
+    if endpoint.startswith("ipc://"):
+        return BootstrapInfo(host=endpoint, port=0, room=room)
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"unsupported bootstrap endpoint {endpoint!r}")
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    return BootstrapInfo(host=host, port=int(port), room=room)
+
+
+def bootstrap_endpoint(info: BootstrapInfo) -> str:
+    """The ZMQ endpoint a bootstrap triple names."""
+    if info.host.startswith("ipc://"):
+        return info.host
+    return f"tcp://{info.host}:{info.port}"
+
+
+def pack_pages(pages: npt.NDArray[np.int64]) -> bytes:
+    return np.ascontiguousarray(pages, dtype="<i8").tobytes()
+
+
+def unpack_pages(data: bytes) -> npt.NDArray[np.int64]:
+    if len(data) % 8:
+        raise ValueError("packed page list is not a multiple of 8 bytes")
+    return np.frombuffer(data, dtype="<i8").astype(np.int64)

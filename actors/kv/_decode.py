@@ -1,0 +1,337 @@
+"""The decode side: connections to prefill bootstrap endpoints, and receiving rooms.
+
+:meth:`DecodeKV.receive` sends a room's page list to its prefill worker, waits (bounded) for the
+room's NIXL notification, and verifies the pages against the checksums that came with it (or the
+engine's own). On every failure it raises a typed, migratable error:
+:class:`~protocols.errors.KVTransferError` (prefill died or failed the room, timeout) or
+:class:`~protocols.errors.KVCorrupted`.
+
+Page ownership: the caller's :class:`~actors.kv.PageAllocation` stays the caller's when
+``receive`` returns. When it raises (cancellation included), the allocation passes to the
+service, which frees it once nothing can write into it any more: at once if prefill never had
+the page list or already ended the room; otherwise after prefill confirms (``RoomClosed``,
+``RoomFailed``, the notification) or is declared dead. Until then the pages are *quarantined*,
+never handed to another request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from actors._zmq import AsyncSocket
+from actors.kv._bootstrap import KVConfig, bootstrap_endpoint, pack_pages
+from actors.kv._checksum import page_checksums
+from actors.kv._conn import PendingRoom, PrefillConnection
+from actors.kv._nixl import NixlAgent
+from actors.kv._pool import KVPool, PageAllocation
+from protocols.engine import BootstrapInfo
+from protocols.errors import KVCorrupted, KVTransferError
+from protocols.kv import Goodbye, Hello, TransferRequest, decode_notification
+
+__all__ = ["DecodeKV", "DecodeStatistics", "ExpectedChecksums", "ReceivedKV"]
+
+ExpectedChecksums = npt.NDArray[np.uint64] | Callable[[], npt.NDArray[np.uint64]]
+"""The pages' expected checksums, or a callable computing them (from the request's tokens)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedKV:
+    """A room's KV, landed and verified in the caller's pages."""
+
+    room: int
+    pages: PageAllocation
+    checksums: npt.NDArray[np.uint64] | None
+    verified: bool
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStatistics:
+    """A decode KV service's connections, rooms and pages."""
+
+    worker_id: str
+    connections: int
+    connections_ready: int
+    rooms_pending: int
+    rooms_done: int
+    rooms_failed: int
+    rooms_corrupted: int
+    pages_quarantined: int
+    bytes_received: int
+    stray_notifications: int
+    prefill_restarts_seen: int
+    lazy_connects: int
+
+
+class DecodeKV:
+    """The decode worker's KV service. Use ``async with DecodeKV(agent, pool) as kv:``.
+
+    ``worker_id`` names this decode worker across restarts (a restarted worker says ``Hello``
+    under the same id with a new incarnation, and prefill replaces the stale peer).
+    """
+
+    def __init__(
+        self,
+        agent: NixlAgent,
+        pool: KVPool,
+        *,
+        worker_id: str | None = None,
+        config: KVConfig | None = None,
+    ) -> None:
+        self.agent = agent
+        self.pool = pool
+        self.config = config or KVConfig()
+        self.worker_id = worker_id or agent.name
+        self._conns: dict[str, PrefillConnection] = {}
+        self._pending: dict[int, PendingRoom] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._hello: Hello | None = None
+        self._poke: anyio.Event | None = None
+        self._changed: anyio.Event | None = None
+        self._stats = {"done": 0, "failed": 0, "corrupted": 0, "bytes": 0, "stray": 0, "lazy": 0}
+
+    async def __aenter__(self) -> DecodeKV:
+        self.pool.register(self.agent)
+        self._hello = Hello(
+            worker_id=self.worker_id,
+            agent_name=self.agent.name,
+            incarnation=self.agent.incarnation,
+            agent_metadata=self.agent.metadata(),
+            memory=self.pool.memory_desc(),
+        )
+        self._poke = anyio.Event()
+        self._changed = anyio.Event()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._poll_notifications)
+        self._tg.start_soon(self._heartbeat)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for conn in self._conns.values():
+            conn.send(Goodbye())
+            conn.lost(KVTransferError("decode KV service stopped"), release=True)
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    async def connect(self, endpoint: str) -> None:
+        """Meet the prefill worker at ``endpoint`` (pre-warm: metadata exchanged, NIXL connected).
+
+        Idempotent; waits up to ``bootstrap_timeout`` for its ``Welcome``.
+        """
+        conn = self._conns.get(endpoint)
+        if conn is None:
+            assert self._tg is not None and self._hello is not None, "use DecodeKV in async with"
+            sock = AsyncSocket.create(
+                zmq.DEALER, RECONNECT_IVL=50, RECONNECT_IVL_MAX=500, SNDHWM=0, RCVHWM=0
+            )
+            sock.connect(endpoint)
+            conn = PrefillConnection(endpoint, sock, self._hello, self._poke_poller, self._notify)
+            self._conns[endpoint] = conn
+            self._tg.start_soon(conn.run)
+            conn.say_hello()
+        await conn.wait_ready(self.config.bootstrap_timeout)
+
+    async def receive(
+        self,
+        bootstrap: BootstrapInfo,
+        pages: PageAllocation,
+        *,
+        expected_checksums: ExpectedChecksums | None = None,
+        timeout: float | None = None,
+        verify: bool | None = None,
+    ) -> ReceivedKV:
+        """Receive room ``bootstrap.room`` from its prefill worker into ``pages`` (of this pool).
+
+        ``timeout`` (default ``receive_timeout``) bounds the wait from the request on, so it
+        includes prefill's compute time. With ``expected_checksums`` the pages are checked
+        against the engine's own expectation, else against the checksums prefill sent.
+        ``verify`` overrides the configured verification for this room (``False`` skips the
+        checksums on both sides). On any error (and on cancellation) ``pages`` pass to the
+        service: see the module doc.
+        """
+        verify = self.config.verify if verify is None else verify
+        if pages.pool is not self.pool or pages.freed:
+            raise ValueError("pages must be a live allocation of this service's pool")
+        room = bootstrap.room
+        if room in self._pending:
+            raise ValueError(f"room {room} is already being received")
+        endpoint = bootstrap_endpoint(bootstrap)
+        pending = PendingRoom(room, pages, anyio.Event())
+        start = time.perf_counter()
+        try:
+            if endpoint not in self._conns:
+                self._stats["lazy"] += 1  # should have been pre-warmed with connect()
+            await self.connect(endpoint)
+            conn = self._conns[endpoint]
+            pending.conn = conn
+            pending.incarnation = conn.incarnation
+            self._pending[room] = pending
+            conn.rooms[room] = pending
+            msg = TransferRequest(room=room, pages=pack_pages(pages.pages), want_checksums=verify)
+            pending.sent = True
+            conn.send(msg)
+            with anyio.move_on_after(self.config.receive_timeout if timeout is None else timeout):
+                await pending.done.wait()
+            if pending.error is not None:
+                raise pending.error
+            if pending.notif is None:
+                raise KVTransferError(f"room {room}: no KV from {endpoint} in time")
+            sent = np.frombuffer(pending.notif.checksums, dtype="<u8").astype(np.uint64)
+            verified = verify and self._verify(room, pages, sent, expected_checksums)
+        except BaseException:
+            self._stats["failed"] += 1
+            self._abandon(pending)
+            raise
+        finally:
+            self._forget(pending)
+        self._stats["done"] += 1
+        self._stats["bytes"] += len(pages) * self.pool.page_bytes
+        return ReceivedKV(
+            room=room,
+            pages=pages,
+            checksums=sent if sent.size else None,
+            verified=verified,
+            seconds=time.perf_counter() - start,
+        )
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no room is pending and no page is quarantined; ``False`` on timeout."""
+        with anyio.move_on_after(timeout):
+            while not self._idle():
+                assert self._changed is not None
+                await self._changed.wait()
+        return self._idle()
+
+    def _idle(self) -> bool:
+        return not self._pending and not any(c.quarantine for c in self._conns.values())
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = anyio.Event()
+
+    def statistics(self) -> DecodeStatistics:
+        s = self._stats
+        conns = self._conns.values()
+        return DecodeStatistics(
+            worker_id=self.worker_id,
+            connections=len(self._conns),
+            connections_ready=sum(1 for c in conns if c.ready),
+            rooms_pending=len(self._pending),
+            rooms_done=s["done"],
+            rooms_failed=s["failed"],
+            rooms_corrupted=s["corrupted"],
+            pages_quarantined=sum(len(a) for c in conns for a in c.quarantine.values()),
+            bytes_received=s["bytes"],
+            stray_notifications=s["stray"],
+            prefill_restarts_seen=sum(c.restarts_seen for c in conns),
+            lazy_connects=s["lazy"],
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _verify(
+        self,
+        room: int,
+        pages: PageAllocation,
+        sent: npt.NDArray[np.uint64],
+        expected: ExpectedChecksums | None,
+    ) -> bool:
+        want = expected() if callable(expected) else expected
+        if want is None:
+            if not sent.size:
+                return False
+            want = sent
+        got = page_checksums(self.pool, pages.pages)
+        if want.shape != got.shape or not np.array_equal(want, got):
+            self._stats["corrupted"] += 1
+            bad = np.flatnonzero(want != got) if want.shape == got.shape else np.arange(got.size)
+            raise KVCorrupted(
+                f"room {room}: {bad.size} of {got.size} pages failed verification "
+                f"(first: page {int(pages.pages[bad[0]])})"
+            )
+        return True
+
+    def _abandon(self, pending: PendingRoom) -> None:
+        """Take over a failed room's pages: free them now, or quarantine until prefill is done."""
+        conn = pending.conn
+        if pending.terminal or not pending.sent or conn is None or conn.incarnation is None:
+            pending.pages.free()
+        elif pending.incarnation != conn.incarnation:
+            pending.pages.free()  # that prefill incarnation is gone: nothing can write any more
+        else:
+            conn.quarantine[pending.room] = pending.pages
+            conn.cancel(pending.room)
+
+    def _forget(self, pending: PendingRoom) -> None:
+        if self._pending.get(pending.room) is pending:
+            del self._pending[pending.room]
+            self._notify()
+        if pending.conn is not None:
+            pending.conn.rooms.pop(pending.room, None)
+            if pending.writing:
+                pending.conn.writing -= 1
+                pending.writing = False
+
+    def _poke_poller(self) -> None:
+        if self._poke is not None:
+            self._poke.set()
+
+    async def _poll_notifications(self) -> None:
+        """Poll NIXL notifications: hard while a WRITE is announced, gently otherwise."""
+        idle = self.config.idle_poll_s
+        while True:
+            for sender, msgs in self.agent.get_notifs().items():
+                for raw in msgs:
+                    self._dispatch(sender, raw)
+            if any(c.writing for c in self._conns.values()):
+                await anyio.lowlevel.checkpoint()
+            else:
+                self._poke = anyio.Event()
+                with anyio.move_on_after(idle):
+                    await self._poke.wait()
+
+    def _dispatch(self, sender: str, raw: bytes) -> None:
+        try:
+            notif = decode_notification(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._stats["stray"] += 1
+            return
+        pending = self._pending.get(notif.room)
+        if pending is not None and pending.conn is not None and pending.conn.agent_name == sender:
+            pending.finish(notif=notif)
+            return
+        for conn in self._conns.values():
+            if conn.agent_name == sender and conn.release_quarantined(notif.room):
+                return
+        self._stats["stray"] += 1
+
+    async def _heartbeat(self) -> None:
+        """Ping every prefill peer; one silent for ``peer_timeout`` is declared dead."""
+        cfg = self.config
+        while True:
+            now = time.monotonic()
+            for conn in self._conns.values():
+                conn.ping()
+                if conn.ready and now - conn.last_seen > cfg.peer_timeout:
+                    conn.lost(KVTransferError(f"prefill at {conn.endpoint} lost (no heartbeat)"))
+                elif not conn.ready and now - conn.hello_sent_at > cfg.peer_timeout:
+                    conn.say_hello()  # a safety net: restarts are noticed through Pong/Unknown
+            await anyio.sleep(cfg.heartbeat_interval)

@@ -1,0 +1,234 @@
+"""One prefill room: a request's KV hand-off from registration to a terminal state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from actors.kv._bootstrap import bootstrap_info
+from actors.kv._checksum import page_checksums
+from actors.kv._pool import PageAllocation, as_page_array
+from actors.kv._transfer import TransferAborted, coalesce, write_pages
+from protocols.engine import BootstrapInfo
+from protocols.errors import KVTransferError, RequestError
+from protocols.kv import KVMemoryDesc, TransferNotification, Writing, encode_notification
+
+if TYPE_CHECKING:
+    from actors.kv._prefill import PrefillKV
+
+__all__ = [
+    "DecodeCancelled",
+    "PrefillPeer",
+    "PrefillRoom",
+    "RoomState",
+    "TransferRequestRecord",
+    "TransferResult",
+]
+
+
+class DecodeCancelled(TransferAborted):
+    """The decode side gave up on the room (its request was cancelled or timed out)."""
+
+    code = "kv.decode_cancelled"
+
+
+class RoomState(enum.Enum):
+    OPEN = "open"  # registered; decode's page list not here yet
+    REQUESTED = "requested"  # decode's page list is here
+    TRANSFERRING = "transferring"  # the WRITE is posted
+    DONE = "done"  # the WRITE completed; decode has been notified by NIXL
+    FAILED = "failed"  # ended without (complete) KV; nothing more will be written
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class PrefillPeer:
+    """A decode worker as its prefill peer knows it."""
+
+    routing_id: bytes
+    worker_id: str
+    agent_name: str
+    incarnation: int
+    memory: KVMemoryDesc
+    last_seen: float
+    rooms: set[int] = field(default_factory=set)
+    inflight: int = 0
+    dead: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRequestRecord:
+    """Decode's page list for a room, as received."""
+
+    peer: PrefillPeer
+    room: int
+    pages: npt.NDArray[np.int64]
+    want_checksums: bool
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """What one room's transfer moved."""
+
+    room: int
+    pages: int
+    nbytes: int
+    descriptors: int
+    seconds: float
+
+
+class PrefillRoom:
+    """One request's KV hand-off; a context manager that closes (and so aborts) the room."""
+
+    def __init__(self, kv: PrefillKV, room: int) -> None:
+        self._kv = kv
+        self.room = room
+        self.bootstrap: BootstrapInfo = bootstrap_info(kv.endpoint, room)
+        self.state = RoomState.OPEN
+        self.request: TransferRequestRecord | None = None
+        self.failure: RequestError | None = None
+        self._wake = anyio.Event()  # the request arrived, or the room failed
+        self._abort = anyio.Event()  # stop the WRITE in flight
+        self._tell_decode = True
+        self._close_requested = False
+
+    async def wait_requested(self, timeout: float | None = None) -> None:
+        """Wait until decode sent its page list; raises the room's failure or ``TimeoutError``."""
+        with anyio.fail_after(timeout):
+            while self.request is None and self.failure is None:
+                await self._wake.wait()
+        if self.failure is not None:
+            raise self.failure
+
+    async def send(
+        self,
+        pages: PageAllocation | npt.NDArray[np.int64] | list[int],
+        *,
+        checksums: npt.NDArray[np.uint64] | None = None,
+    ) -> TransferResult:
+        """WRITE ``pages`` (computed KV in the prefill pool) into decode's pages and notify.
+
+        Waits up to ``bootstrap_timeout`` for decode's page list first. ``checksums`` are the
+        pages' checksums if the engine has them; otherwise they are computed here when decode
+        asked for them. A GPU engine must have finished writing the pages (stream synchronised).
+
+        Returns, or raises (:class:`~protocols.errors.KVTransferError` and subclasses, or
+        cancellation), only once the WRITE is terminal: the pages may be freed right after.
+        """
+        if self.state == RoomState.FAILED and self.failure is not None:
+            raise self.failure  # aborted before the KV was ready: decode cancelled, peer lost
+        if self.state not in (RoomState.OPEN, RoomState.REQUESTED):
+            raise RuntimeError(f"room {self.room} cannot send in state {self.state.value}")
+        kv = self._kv
+        local = as_page_array(pages)
+        try:
+            await self.wait_requested(kv.config.bootstrap_timeout)
+        except TimeoutError:
+            self._fail(KVTransferError(f"decode never asked for room {self.room}"))
+        if self.failure is not None:
+            raise self.failure
+        req = self.request
+        assert req is not None
+        try:
+            descs = coalesce(local, kv.pool.memory_desc(), req.pages, req.peer.memory)
+        except ValueError as exc:
+            self._fail(KVTransferError(f"room {self.room}: {exc}"))
+            raise self.failure from exc  # type: ignore[misc]
+        sums = b""
+        if req.want_checksums:
+            if checksums is None:
+                checksums = page_checksums(kv.pool, local)
+            sums = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
+        notif = encode_notification(TransferNotification(self.room, sums))
+        self.state = RoomState.TRANSFERRING
+        kv._transfer_started(req.peer)
+        kv._send(req.peer.routing_id, Writing(room=self.room))
+        start = time.perf_counter()
+        try:
+            await write_pages(
+                kv.agent,
+                descs,
+                kv.pool.memory_desc(),
+                req.peer.memory,
+                req.peer.agent_name,
+                notif,
+                timeout=kv.config.transfer_timeout,
+                abort=self._abort,
+                spin_s=kv.config.spin_s,
+                settle_timeout=kv.config.settle_timeout,
+            )
+        except BaseException as exc:
+            # The WRITE is terminal here (write_pages settles it on every path).
+            if self.failure is None:
+                self.failure = (
+                    exc
+                    if isinstance(exc, KVTransferError)
+                    else TransferAborted(f"prefill stopped sending room {self.room}")
+                )
+            self.state = RoomState.FAILED
+            kv._transfer_ended(req.peer)
+            kv._room_failed(self, self._tell_decode)
+            if isinstance(exc, KVTransferError) and exc is not self.failure:
+                raise self.failure from exc
+            raise
+        self.state = RoomState.DONE
+        kv._transfer_ended(req.peer)
+        kv._room_done(self, descs.nbytes, descs.count)
+        return TransferResult(
+            room=self.room,
+            pages=int(local.size),
+            nbytes=descs.nbytes,
+            descriptors=descs.count,
+            seconds=time.perf_counter() - start,
+        )
+
+    def abort(self, reason: str = "prefill aborted the request") -> None:
+        """The engine gives up on the request: decode is told, a WRITE in flight is stopped."""
+        self._fail(TransferAborted(reason))
+
+    def close(self) -> None:
+        """Unregister the room, aborting it unless it is done (idempotent).
+
+        A WRITE still in flight is aborted and the room leaves the registry once it settled,
+        so :meth:`PrefillKV.wait_transfers_done` still waits for it.
+        """
+        self._close_requested = True
+        if self.state not in (RoomState.DONE, RoomState.FAILED):
+            self._fail(TransferAborted(f"room {self.room} closed before its transfer"))
+        if self.state != RoomState.TRANSFERRING:
+            self._kv._unregister(self)
+
+    def __enter__(self) -> PrefillRoom:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- driven by PrefillKV ------------------------------------------------------------------
+
+    def _attach(self, req: TransferRequestRecord) -> None:
+        self.request = req
+        if self.state == RoomState.OPEN:
+            self.state = RoomState.REQUESTED
+        self._wake.set()
+
+    def _fail(self, failure: RequestError, *, tell_decode: bool = True) -> None:
+        """Fail the room. Decode hears of it now, or, for a WRITE in flight, once that WRITE
+        settled: only then may decode reuse the pages."""
+        if self.state in (RoomState.DONE, RoomState.FAILED):
+            return
+        if self.failure is None:
+            self.failure = failure
+        self._tell_decode = self._tell_decode and tell_decode
+        self._wake.set()
+        if self.state == RoomState.TRANSFERRING:
+            self._abort.set()
+            return
+        self.state = RoomState.FAILED
+        self._kv._room_failed(self, self._tell_decode)

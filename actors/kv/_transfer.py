@@ -1,0 +1,176 @@
+"""Moving pages: descriptor coalescing and one WRITE driven to a terminal state.
+
+Each NIXL descriptor costs a few microseconds (2.5-4.3 us measured on H200s; a 32 KiB page then
+moves at 9 GB/s, a 2 MiB run at 267), so pages that are consecutive on *both* sides are merged
+into one descriptor before the transfer is created: a request laid out contiguously in both pools
+is a single descriptor and moves at copy speed.
+
+:func:`write_pages` posts the WRITE (its notification rides on it: NIXL delivers it after the
+data) and polls the initiator's transfer state, spinning (yielding to other tasks) for a short
+while and then backing off. Whatever happens (error, timeout, abort, cancellation) it returns only
+once the transfer has reached a terminal state and its handle is released, so the caller may free
+or reuse the pages afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from actors.kv._nixl import NixlAgent, NixlError, XferHandle
+from protocols.errors import KVTransferError
+from protocols.kv import KVMemoryDesc
+
+__all__ = ["Descriptors", "TransferAborted", "coalesce", "probe_peer", "write_pages"]
+
+
+class TransferAborted(KVTransferError):
+    """The WRITE was aborted on purpose (the room was cancelled or its peer was lost)."""
+
+    code = "kv.transfer_aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptors:
+    """Coalesced ``Nx3`` ``(address, length, device)`` descriptor lists for both sides."""
+
+    local: npt.NDArray[np.uint64]
+    remote: npt.NDArray[np.uint64]
+    nbytes: int
+
+    @property
+    def count(self) -> int:
+        return int(self.local.shape[0])
+
+
+def coalesce(
+    local_pages: npt.NDArray[np.int64],
+    local: KVMemoryDesc,
+    remote_pages: npt.NDArray[np.int64],
+    remote: KVMemoryDesc,
+) -> Descriptors:
+    """One descriptor per run of pages consecutive in both pools (page sizes must match)."""
+    if local_pages.shape != remote_pages.shape:
+        raise ValueError(f"{local_pages.size} local pages for {remote_pages.size} remote pages")
+    if local.page_bytes != remote.page_bytes:
+        raise ValueError("local and remote page sizes differ")
+    n = int(local_pages.size)
+    if n == 0:
+        raise ValueError("no pages to move")
+    for pages, desc in ((local_pages, local), (remote_pages, remote)):
+        if int(pages.min()) < 0 or int(pages.max()) >= desc.num_pages:
+            raise ValueError("page index out of the pool's range")
+    breaks = np.flatnonzero((np.diff(local_pages) != 1) | (np.diff(remote_pages) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [n])))
+    lengths = counts.astype(np.uint64) * np.uint64(local.page_bytes)
+
+    def table(pages: npt.NDArray[np.int64], desc: KVMemoryDesc) -> npt.NDArray[np.uint64]:
+        out = np.empty((starts.size, 3), dtype=np.uint64)
+        out[:, 0] = np.uint64(desc.base_addr) + pages[starts].astype(np.uint64) * np.uint64(
+            desc.page_bytes
+        )
+        out[:, 1] = lengths
+        out[:, 2] = desc.device_id
+        return out
+
+    return Descriptors(
+        local=table(local_pages, local),
+        remote=table(remote_pages, remote),
+        nbytes=n * local.page_bytes,
+    )
+
+
+async def write_pages(
+    agent: NixlAgent,
+    descs: Descriptors,
+    local: KVMemoryDesc,
+    remote: KVMemoryDesc,
+    remote_agent: str,
+    notif: bytes,
+    *,
+    timeout: float,
+    abort: anyio.Event | None = None,
+    spin_s: float = 0.02,
+    settle_timeout: float = 5.0,
+) -> None:
+    """WRITE ``descs`` into ``remote_agent`` and wait until NIXL reports it done.
+
+    Raises :class:`~protocols.errors.KVTransferError` on a NIXL error or after ``timeout``, and
+    :class:`TransferAborted` once ``abort`` is set. In every case, cancellation included, it
+    returns only after the transfer is terminal (bounded by ``settle_timeout``).
+    """
+    try:
+        handle, state = agent.post(
+            "WRITE", descs.local, local.mem_type, descs.remote, remote.mem_type, remote_agent, notif
+        )
+    except NixlError as exc:
+        raise KVTransferError(f"WRITE to {remote_agent} could not be posted: {exc}") from exc
+    try:
+        start = time.monotonic()
+        deadline = start + timeout
+        delay = 0.0
+        while state == "PROC":
+            if abort is not None and abort.is_set():
+                raise TransferAborted(f"WRITE to {remote_agent} aborted")
+            now = time.monotonic()
+            if now > deadline:
+                raise KVTransferError(f"WRITE to {remote_agent} timed out after {timeout:.3g} s")
+            # Spin (yielding) while a fast transfer is likely to finish, then back off: the
+            # event loop's timers are 1 ms coarse anyway.
+            if now - start > spin_s:
+                delay = min(0.001, delay * 2 or 0.0001)
+            await anyio.sleep(delay)
+            state = agent.state(handle)
+        if state == "ERR":
+            raise KVTransferError(f"WRITE to {remote_agent} failed")
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _settle(agent, handle, settle_timeout)
+
+
+async def _settle(agent: NixlAgent, handle: XferHandle, timeout: float) -> None:
+    """Release ``handle``; an active transfer NIXL cannot cancel is polled to its end first."""
+    deadline = time.monotonic() + timeout
+    while not agent.release(handle):
+        if time.monotonic() > deadline:
+            # The handle stays in the agent's live count: a visible leak rather than a reuse
+            # of memory that a transfer may still write.
+            raise KVTransferError(f"WRITE to {handle.remote} could not be cancelled")
+        if agent.state(handle) == "PROC":
+            await anyio.sleep(0.001)
+
+
+async def probe_peer(
+    agent: NixlAgent,
+    scratch: npt.NDArray[np.uint64],
+    scratch_mem: KVMemoryDesc,
+    remote: KVMemoryDesc,
+    remote_agent: str,
+    *,
+    timeout: float,
+) -> bool:
+    """READ a few bytes of the peer's pool into ``scratch``: wires up the UCX lanes and the
+    remote key, so the first request's WRITE does not pay for it (tens of ms). Reading leaves
+    the peer's memory untouched. Returns whether the probe completed."""
+    size = int(scratch[0, 1])
+    remote_desc = np.array([[remote.base_addr, size, remote.device_id]], dtype=np.uint64)
+    try:
+        handle, state = agent.post(
+            "READ", scratch, scratch_mem.mem_type, remote_desc, remote.mem_type, remote_agent
+        )
+    except NixlError:
+        return False
+    try:
+        deadline = time.monotonic() + timeout
+        while state == "PROC" and time.monotonic() < deadline:
+            await anyio.sleep(0.0005)
+            state = agent.state(handle)
+        return state == "DONE"
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _settle(agent, handle, timeout)

@@ -1,0 +1,225 @@
+"""The child side of a process actor: runs one actor and serves its parent over a Link.
+
+Entered in a process forked by the forkserver. Asks and streams go straight into the actor's
+mailbox with reply objects that answer over the socket, so the child adds no hop of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+from typing import Any
+
+import anyio
+import msgspec
+
+from actors._backend import backend
+from actors._exit import ExitReason
+from actors._mailbox import ASK, STREAM, TELL
+from actors._ref import ActorRef, Cell, CellState
+from actors._runtime import Incarnation
+from actors._stream import StreamChannel
+from actors.process import _frames as f
+from actors.process._link import Link
+from protocols import codec
+
+__all__ = ["main", "resolve"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ChildOptions(msgspec.Struct, frozen=True):
+    name: str
+    backend: str = "asyncio"
+    heartbeat_interval: float = 0.2
+    root_pid: int = 0
+
+
+def resolve(path: str) -> Any:
+    """``"package.module:attr"`` -> the object (only names our own code passes in)."""
+    module, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _die_with_parent() -> None:
+    # The forkserver is our parent and exits when the root does; then the kernel kills us.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def main(endpoint: str, factory: str, args: bytes, options: bytes) -> None:
+    """Process entry point (called by multiprocessing with plain strings and bytes only)."""
+    _die_with_parent()
+    opts = msgspec.msgpack.decode(options, type=ChildOptions)
+    if opts.root_pid and os.getppid() == 1:
+        os._exit(1)
+    anyio.run(_serve, endpoint, factory, args, opts, backend=opts.backend)
+
+
+class _RemoteReply:
+    __slots__ = ("_corr", "_done", "_link")
+
+    def __init__(self, link: Link, corr: int) -> None:
+        self._link = link
+        self._corr = corr
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def set(self, value: Any) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            body = codec.encode(value)
+        except codec.CodecError as exc:
+            self._link.send([f.header(f.ERROR, self._corr), codec.encode_error(exc)])
+            return
+        self._link.send([f.header(f.REPLY, self._corr), body])
+
+    def fail(self, error: BaseException) -> None:
+        if not self._done:
+            self._done = True
+            self._link.send([f.header(f.ERROR, self._corr), codec.encode_error(error)])
+
+    async def wait(self, timeout: float | None) -> Any:  # never awaited in the child
+        raise NotImplementedError
+
+
+class _RemoteChannel(StreamChannel):
+    """The producer end of a stream whose consumer is in the parent: items go out as frames,
+    at most ``credit`` ahead of what the consumer has taken."""
+
+    __slots__ = ("_corr", "_credit", "_link", "_servers")
+
+    def __init__(
+        self, link: Link, corr: int, credit: int, servers: dict[int, _RemoteChannel]
+    ) -> None:
+        super().__init__(backend(), 1)
+        self._link = link
+        self._corr = corr
+        self._credit = credit
+        self._servers = servers
+
+    async def send(self, item: Any) -> None:
+        while self._credit <= 0 and not self.cancelled:
+            await self._producer.park()
+        if self.cancelled:
+            from actors._errors import StreamCancelled
+
+            raise StreamCancelled("the consumer closed the stream")
+        self._credit -= 1
+        self._link.send([f.header(f.ITEM, self._corr), codec.encode(item)])
+
+    def add_credit(self, n: int) -> None:
+        self._credit += n
+        self._producer.unpark()
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._servers.pop(self._corr, None)
+            self._link.send([f.header(f.END, self._corr), b""])
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self.finished = True
+            self._servers.pop(self._corr, None)
+            self._link.send([f.header(f.ERROR, self._corr), codec.encode_error(error)])
+
+    def cancel(self) -> None:
+        self._servers.pop(self._corr, None)
+        super().cancel()
+
+
+class _Server:
+    def __init__(self, inc: Incarnation) -> None:
+        self.inc = inc
+        self.link = Link(self.on_frames)
+        self.streams: dict[int, _RemoteChannel] = {}
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        kind, corr = f.parse_header(frames[0])
+        mailbox = self.inc.mailbox
+        if kind == f.ASK:
+            mailbox.put_system((ASK, codec.decode(frames[1]), _RemoteReply(self.link, corr)))
+        elif kind == f.TELL:
+            mailbox.put_system((TELL, codec.decode(frames[1]), None))
+        elif kind == f.STREAM:
+            credit = int.from_bytes(frames[2], "big")
+            channel = _RemoteChannel(self.link, corr, credit, self.streams)
+            self.streams[corr] = channel
+            mailbox.put_system((STREAM, codec.decode(frames[1]), channel))
+        elif kind == f.CREDIT:
+            open_channel = self.streams.get(corr)
+            if open_channel is not None:
+                open_channel.add_credit(int.from_bytes(frames[1], "big"))
+        elif kind == f.CANCEL:
+            open_channel = self.streams.get(corr)
+            if open_channel is not None:
+                open_channel.cancel()
+        elif kind == f.STOP:
+            kind_name, detail = msgspec.msgpack.decode(frames[1])
+            self.inc.request_stop(ExitReason(kind_name, detail or None))
+
+    async def heartbeat(self, interval: float) -> None:
+        beat = [f.header(f.HEARTBEAT), b""]
+        while True:
+            self.link.send(beat)
+            await anyio.sleep(interval)
+
+
+async def _stop_on_sigterm(inc: Incarnation) -> None:
+    # SIGTERM asks for a graceful stop; the parent escalates to SIGKILL if it takes too long.
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            inc.request_stop(ExitReason.shutdown("SIGTERM"))
+
+
+def _reason_bytes(reason: ExitReason) -> bytes:
+    return msgspec.msgpack.encode((reason.kind, reason.detail or ""))
+
+
+async def _serve(endpoint: str, factory: str, args: bytes, opts: ChildOptions) -> None:
+    cell = Cell(opts.name)
+    ref: ActorRef[Any] = ActorRef(cell)
+    server: _Server | None = None
+    try:
+        actor = resolve(factory)(*codec.decode(args))
+        inc = Incarnation(actor, ref)
+        server = _Server(inc)
+    except Exception as exc:
+        link = Link(lambda frames: None)
+        link.connect(endpoint)
+        link.send([f.header(f.START_FAILED), codec.encode_error(exc)])
+        link.close()
+        return
+    server.link.connect(endpoint)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(inc.run, cell, lambda reason: CellState.DEAD)
+            try:
+                await inc.ready.wait(None)
+            except Exception as exc:
+                server.link.send([f.header(f.START_FAILED), codec.encode_error(exc)])
+                return
+            tg.start_soon(server.link.run)
+            tg.start_soon(server.heartbeat, opts.heartbeat_interval)
+            tg.start_soon(_stop_on_sigterm, inc)
+            server.link.send([f.header(f.READY), b""])
+            await inc.finished.wait()
+            assert inc.exit_reason is not None
+            server.link.send([f.header(f.EXIT), _reason_bytes(inc.exit_reason)])
+            tg.cancel_scope.cancel()
+    finally:
+        server.link.close()

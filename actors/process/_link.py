@@ -1,0 +1,138 @@
+"""One ZMQ DEALER socket between a parent and its process actor, read by a callback.
+
+On asyncio the socket's FD is registered once with ``loop.add_reader`` and frames are handled in
+the reader callback itself: a reply resolves its caller's future with no task switch. On trio a
+task waits on the FD. A send can consume the FD's edge while frames wait, so after each send the
+link re-checks ``EVENTS`` and schedules a drain if needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import sniffio
+import zmq
+
+from actors._zmq import context, has_input
+
+__all__ = ["Link", "LinkBroken"]
+
+FrameHandler = Callable[[list[bytes]], None]
+
+
+class LinkBroken(ConnectionError):
+    """The socket failed or was closed under us."""
+
+
+class Link:
+    """A DEALER socket, its frame handler, and the reader that feeds it."""
+
+    def __init__(self, on_frames: FrameHandler) -> None:
+        self.socket = context().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self._fd = int(self.socket.getsockopt(zmq.FD))
+        self._on_frames = on_frames
+        self._draining = False
+        self._error: BaseException | None = None
+        self._kick: Callable[[], None] | None = None
+        self._wake: Callable[[], None] = lambda: None
+
+    def bind(self, endpoint: str) -> str:
+        if endpoint.endswith(":0"):
+            host = endpoint.rsplit(":", 1)[0]
+            return f"{host}:{self.socket.bind_to_random_port(host)}"
+        self.socket.bind(endpoint)
+        return endpoint
+
+    def connect(self, endpoint: str) -> None:
+        self.socket.connect(endpoint)
+
+    def send(self, frames: Sequence[bytes]) -> None:
+        """Queue ``frames`` (never blocks: the high-water mark is off; flow control is the
+        actors' job, through credits and mailbox capacity)."""
+        try:
+            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
+        except zmq.ZMQError as exc:
+            raise LinkBroken(f"send failed: {exc}") from exc
+        if self._kick is not None and not self._draining and has_input(self.socket):
+            self._kick()
+
+    def drain(self) -> None:
+        """Handle every queued message now (runs in the event loop thread)."""
+        if self._draining or self.socket.closed:
+            return
+        self._draining = True
+        try:
+            sock = self.socket
+            while has_input(sock):
+                self._on_frames(sock.recv_multipart(zmq.NOBLOCK, copy=True))
+        except BaseException as exc:
+            if self._error is None:
+                self._error = exc
+            self._wake()
+        finally:
+            self._draining = False
+
+    async def run(self) -> None:
+        """Read until cancelled; raises what the frame handler raised."""
+        if sniffio.current_async_library() == "trio":
+            await self._run_trio()
+        else:
+            await self._run_asyncio()
+
+    async def _run_asyncio(self) -> None:
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
+
+        def wake() -> None:
+            if not stopped.done():
+                stopped.set_result(None)
+
+        self._wake = wake
+
+        def kick() -> None:
+            loop.call_soon(self.drain)
+
+        self._kick = kick
+        loop.add_reader(self._fd, self.drain)
+        try:
+            self.drain()
+            await stopped
+        finally:
+            self._kick = None
+            loop.remove_reader(self._fd)
+        if self._error is not None:
+            raise self._error
+
+    async def _run_trio(self) -> None:
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        self._kick = lambda: token.run_sync_soon(self.drain)
+        try:
+            while self._error is None:
+                self.drain()
+                if self._error is None:
+                    await trio.lowlevel.wait_readable(self._fd)
+        finally:
+            self._kick = None
+        raise self._error
+
+    def close(self) -> None:
+        self._kick = None
+        if not self.socket.closed:
+            self.socket.close(linger=0)
+
+
+def new_endpoint(transport: str, name: str) -> str:
+    """A fresh endpoint for ``transport`` ``"ipc"`` (a private socket file) or ``"tcp"``
+    (loopback, ephemeral port)."""
+    if transport == "tcp":
+        return "tcp://127.0.0.1:0"
+    import os
+    import tempfile
+
+    return f"ipc://{tempfile.gettempdir()}/actorserve-{os.getpid()}-{name}.sock"

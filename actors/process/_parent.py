@@ -1,0 +1,317 @@
+"""The parent side of a process actor: :class:`ProcessActor`.
+
+Its incarnation is one OS process. Callers' tells, asks and streams go straight onto the socket
+(the actor's ref is bound to a forwarder, not to the local mailbox). The process's death is seen
+through its sentinel FD at once and fails every pending call; a silent process (SIGSTOP, a
+deadlock, a dead socket) is caught by the heartbeat timeout and killed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import select
+import signal
+import time
+from typing import Any, Literal
+
+import anyio
+import attrs
+import msgspec
+
+from actors._actor import Actor
+from actors._backend import Reply, backend
+from actors._errors import ActorCrashed
+from actors._exit import ExitReason
+from actors._mailbox import ASK, STREAM, TELL, Item
+from actors._ref import crash_error
+from actors._stream import StreamChannel
+from actors.process import _frames as f
+from actors.process._child import ChildOptions
+from actors.process._link import Link, new_endpoint
+from actors.process._spawn import exit_code, start_process
+from protocols import codec
+
+__all__ = ["ProcessActor", "ProcessDied", "ProcessOptions"]
+
+_ids = itertools.count(1)
+
+
+@attrs.frozen
+class ProcessOptions:
+    """How a process actor runs and how it is watched and stopped."""
+
+    transport: Literal["ipc", "tcp"] = "ipc"
+    backend: Literal["asyncio", "trio"] = "asyncio"  # the child's event loop
+    start_timeout: float = 60.0
+    heartbeat_interval: float = 0.2
+    heartbeat_timeout: float = 3.0  # no frame for this long: the child is hung, kill it
+    stop_timeout: float = 5.0  # graceful stop request, then SIGTERM
+    term_timeout: float = 2.0  # SIGTERM, then SIGKILL
+
+
+class ProcessDied(Exception):
+    """The actor's OS process ended without the actor exiting cleanly."""
+
+    def __init__(self, name: str, exitcode: int | None, cause: str | None = None) -> None:
+        if exitcode is None:
+            how = "exited"
+        elif exitcode < 0:
+            how = f"signal {-exitcode}"
+        else:
+            how = f"exit code {exitcode}"
+        detail = f" ({cause})" if cause else ""
+        super().__init__(f"process of {name!r} died: {how}{detail}")
+        self.exitcode = exitcode
+        self.cause = cause
+
+
+class _Forwarder:
+    """The inbox callers' messages go to: frames on the socket, replies matched by id."""
+
+    capacity = 1 << 62
+
+    def __init__(self, owner: ProcessActor) -> None:
+        self._owner = owner
+        self.put_count = 0
+
+    def __len__(self) -> int:
+        return len(self._owner.asks) + len(self._owner.streams)
+
+    def put_nowait(self, item: Item) -> None:
+        kind, message, extra = item
+        owner = self._owner
+        body = codec.encode(message)
+        self.put_count += 1
+        if kind == ASK:
+            corr = next(_ids)
+            owner.asks[corr] = extra
+            owner.wire.send([f.header(f.ASK, corr), body])
+        elif kind == TELL:
+            owner.wire.send([f.header(f.TELL), body])
+        elif kind == STREAM:
+            corr = next(_ids)
+            channel: StreamChannel = extra
+            owner.streams[corr] = channel
+            channel.hooks = _Credit(owner, corr, channel.capacity)
+            owner.wire.send([f.header(f.STREAM, corr), body, channel.capacity.to_bytes(4, "big")])
+
+    put_system = put_nowait
+
+    async def put(self, item: Item) -> bool:
+        self.put_nowait(item)
+        return True
+
+
+class _Credit:
+    """Returns credit to the producing child as the consumer takes items (in batches)."""
+
+    __slots__ = ("_corr", "_owner", "_taken", "_window")
+
+    def __init__(self, owner: ProcessActor, corr: int, window: int) -> None:
+        self._owner = owner
+        self._corr = corr
+        self._window = max(1, window // 2)
+        self._taken = 0
+
+    def consumed(self) -> None:
+        self._taken += 1
+        if self._taken >= self._window and self._corr in self._owner.streams:
+            self._owner.wire.send([f.header(f.CREDIT, self._corr), self._taken.to_bytes(4, "big")])
+            self._taken = 0
+
+    def cancelled(self) -> None:
+        if (
+            self._owner.streams.pop(self._corr, None) is not None
+            and not self._owner.wire.socket.closed
+        ):
+            self._owner.wire.send([f.header(f.CANCEL, self._corr), b""])
+
+
+class ProcessActor(Actor):
+    """An actor running in its own OS process, built there by ``factory(*args)``.
+
+    ``factory`` is an import path (``"package.module:Class"``); ``args`` must be encodable by
+    :mod:`protocols.codec`. Its ref is used exactly like a local actor's.
+    """
+
+    def __init__(
+        self, factory: str, *args: Any, options: ProcessOptions | None = None, name: str = ""
+    ) -> None:
+        self.factory = factory
+        self.args = args
+        self.options = options or ProcessOptions()
+        self.process_name = name or factory.rpartition(":")[2]
+        self.asks: dict[int, Reply] = {}
+        self.streams: dict[int, StreamChannel] = {}
+        self._pid: int | None = None
+        self._pidfd: int | None = None
+        self._exitcode: int | None = None
+        self._forwarder = _Forwarder(self)
+        self._last_seen = time.monotonic()
+        self._kill_cause: str | None = None
+        self._remote_exit: ExitReason | None = None
+        self._stopping = False
+        self._exited = anyio.Event()
+        self._ready: Reply | None = None
+        self.wire = Link(self._on_frames)
+
+    def inbox_override(self) -> _Forwarder:
+        return self._forwarder
+
+    @property
+    def pid(self) -> int | None:
+        """The OS process id of the current incarnation."""
+        return self._pid
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def started(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            if self._alive():
+                self._signal(signal.SIGKILL)
+            self._shutdown(ActorCrashed(self.ref.name, ExitReason.killed("start failed")))
+            raise
+
+    async def _start(self) -> None:
+        opts = self.options
+        endpoint = self.wire.bind(new_endpoint(opts.transport, f"{next(_ids)}"))
+        options = msgspec.msgpack.encode(
+            ChildOptions(self.process_name, opts.backend, opts.heartbeat_interval, os.getpid())
+        )
+        self._ready = backend().reply()
+        self.start_soon(self.wire.run, name=f"{self.process_name} link")
+        self._pid = await anyio.to_thread.run_sync(
+            start_process, endpoint, self.factory, codec.encode(list(self.args)), options
+        )
+        # A pidfd becomes readable the instant the process exits, whoever its parent is.
+        self._pidfd = os.pidfd_open(self._pid)
+        self.start_soon(self._watch_process, name=f"{self.process_name} sentinel")
+        await self._ready.wait(opts.start_timeout)
+        self._last_seen = time.monotonic()
+        self.start_soon(self._watch_heartbeat, name=f"{self.process_name} heartbeat")
+
+    async def stopping(self, reason: ExitReason) -> None:
+        self._stopping = True
+        if self._alive():
+            if not self.wire.socket.closed:
+                self.wire.send(
+                    [f.header(f.STOP), msgspec.msgpack.encode((reason.kind, reason.detail or ""))]
+                )
+            for sig, budget in (
+                (None, self.options.stop_timeout),
+                (signal.SIGTERM, self.options.term_timeout),
+            ):
+                if sig is not None and self._alive():
+                    self._signal(sig)
+                with anyio.move_on_after(budget):
+                    while self._alive():
+                        await self._wait_exit()
+        self._shutdown(crash_error(self.ref.name, reason))
+
+    async def _wait_exit(self) -> None:
+        if self._exited.is_set() or self._pidfd is None:
+            await anyio.sleep(0.005)  # the sentinel watcher is gone (crash path): poll briefly
+        else:
+            await self._exited.wait()
+
+    # -- watching ------------------------------------------------------------------------------
+
+    async def _watch_process(self) -> None:
+        assert self._pidfd is not None and self._pid is not None
+        try:
+            await anyio.wait_readable(self._pidfd)
+            self._exited.set()
+            if self._stopping:
+                return
+            remote = self._remote_exit
+            if remote is not None and not remote.is_abnormal:
+                self._shutdown(crash_error(self.ref.name, remote))
+                self.stop(remote)
+                return
+            # Fail every pending call now; the exit status (from the forkserver) only names it.
+            cause = self._kill_cause or (str(remote) if remote is not None else None)
+            self._shutdown(
+                ActorCrashed(
+                    self.ref.name, ExitReason.from_error(ProcessDied(self.ref.name, None, cause))
+                )
+            )
+            self._exitcode = await anyio.to_thread.run_sync(exit_code, self._pid)
+            error = ProcessDied(self.ref.name, self._exitcode, cause)
+            if self._ready is not None:
+                self._ready.fail(error)
+            raise error
+        finally:
+            if self._alive():
+                self._signal(signal.SIGKILL)
+            self._shutdown(ActorCrashed(self.ref.name, ExitReason.killed()))
+
+    async def _watch_heartbeat(self) -> None:
+        opts = self.options
+        while True:
+            await anyio.sleep(opts.heartbeat_interval)
+            if time.monotonic() - self._last_seen > opts.heartbeat_timeout and self._alive():
+                self._kill_cause = f"no heartbeat for {opts.heartbeat_timeout} s"
+                self._signal(signal.SIGKILL)
+                return
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        self._last_seen = time.monotonic()
+        kind, corr = f.parse_header(frames[0])
+        if kind == f.REPLY:
+            reply = self.asks.pop(corr, None)
+            if reply is not None:
+                try:
+                    reply.set(codec.decode(frames[1]))
+                except codec.CodecError as exc:
+                    reply.fail(exc)
+        elif kind == f.ITEM:
+            channel = self.streams.get(corr)
+            if channel is not None:
+                channel.push_nowait(codec.decode(frames[1]))
+        elif kind == f.END:
+            channel = self.streams.pop(corr, None)
+            if channel is not None:
+                channel.finish()
+        elif kind == f.ERROR:
+            error = codec.decode_error(frames[1])
+            pending = self.asks.pop(corr, None) or self.streams.pop(corr, None)
+            if pending is not None:
+                pending.fail(error)
+        elif kind == f.READY:
+            if self._ready is not None:
+                self._ready.set(None)
+        elif kind == f.START_FAILED:
+            if self._ready is not None:
+                self._ready.fail(codec.decode_error(frames[1]))
+        elif kind == f.EXIT:
+            kind_name, detail = msgspec.msgpack.decode(frames[1])
+            self._remote_exit = ExitReason(kind_name, detail or None)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _alive(self) -> bool:
+        if self._pidfd is None or self._exited.is_set():
+            return False
+        # Readable pidfd: the process has exited (poll without blocking).
+        readable, _, _ = select.select([self._pidfd], [], [], 0)
+        return not readable
+
+    def _signal(self, sig: int) -> None:
+        if self._pidfd is not None and self._alive():
+            signal.pidfd_send_signal(self._pidfd, sig)
+
+    def _shutdown(self, error: BaseException) -> None:
+        """Fail every pending call and close the socket (idempotent)."""
+        asks, self.asks = self.asks, {}
+        streams, self.streams = self.streams, {}
+        for reply in asks.values():
+            reply.fail(error)
+        for channel in streams.values():
+            channel.fail(error)
+        self.wire.close()
+        if self._pidfd is not None and not self._alive():
+            os.close(self._pidfd)
+            self._pidfd = None

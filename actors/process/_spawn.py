@@ -1,0 +1,33 @@
+"""Starting actor processes through our forkserver, so a restart skips interpreter start-up
+and the heavy imports (preloaded once)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["exit_code", "preload", "start_process"]
+
+_PRELOAD = ["actors.process._child", "zmq", "anyio", "msgspec", "protocols.codec"]
+
+
+def preload(modules: Iterable[str]) -> None:
+    """Add modules the forkserver imports once for every child (effective before the first
+    process actor starts)."""
+    for name in modules:
+        if name not in _PRELOAD:
+            _PRELOAD.append(name)
+
+
+def start_process(endpoint: str, factory: str, args: bytes, options: bytes) -> int:
+    """Fork a child running ``actors.process._child.main``; its pid (blocking: run in a
+    thread)."""
+    from actors.process._forkserver import forkserver
+
+    return forkserver(_PRELOAD).spawn([endpoint, factory, args, options])
+
+
+def exit_code(pid: int) -> int | None:
+    """The exit status of an exited child (blocking briefly: run in a thread)."""
+    from actors.process._forkserver import forkserver
+
+    return forkserver(_PRELOAD).exit_code(pid)

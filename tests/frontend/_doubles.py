@@ -1,0 +1,108 @@
+"""A test double of the frontend's Backend seam: deterministic scripted outputs per request."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter
+
+from actors.frontend import ByteTokenizer, EndpointStatus, ModelInfo, Tokenizer
+from protocols.engine import EngineOutput, FinishReason, PreprocessedRequest, Usage
+
+MODEL = "mock-model"
+CONTEXT = 256
+ANSWER = "Héllo wörld 🎉! The answer is 42. STOP here, then more text follows."
+
+
+class FakeBackend:
+    """Streams ``ANSWER`` (encoded by the model's tokenizer) ``chunk`` tokens per output.
+
+    Knobs a test sets before its requests: ``error_before`` (raised by ``generate``),
+    ``error_after`` (raised after that many outputs), ``delay`` (seconds before each output),
+    ``hang_after`` (after that many outputs, wait forever), ``finish_error`` (the terminal output
+    says ``error``), ``truncate`` (end without a finish reason), ``ready``.
+    It records every request, and which ones were cancelled (closed before they finished).
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None = None, *, answer: str = ANSWER) -> None:
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        self.answer = answer
+        self.chunk = 3
+        self.delay = 0.0
+        self.error_before: Exception | None = None
+        self.error_after: tuple[int, Exception] | None = None
+        self.hang_after: int | None = None
+        self.finish_error: str | None = None
+        self.truncate = False
+        self.ready = True
+        self.requests: list[PreprocessedRequest] = []
+        self.cancelled: list[str] = []
+        self.completed: list[str] = []
+        self.cancel_seen = anyio.Event()
+        self.request_seen = anyio.Event()
+        self.extra_registry = CollectorRegistry()
+        self.backend_counter = Counter(
+            "fake_backend_calls", "Calls to generate.", registry=self.extra_registry
+        )
+
+    def models(self) -> list[ModelInfo]:
+        return [ModelInfo(name=MODEL, context_length=CONTEXT, tokenizer=self.tokenizer)]
+
+    def health(self) -> Mapping[str, EndpointStatus]:
+        return {"generate": "ready" if self.ready else "notready", "prefill": "ready"}
+
+    def metrics_registry(self) -> CollectorRegistry | None:
+        return self.extra_registry
+
+    def generate(self, model: str, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        self.backend_counter.inc()
+        if self.error_before is not None:
+            raise self.error_before
+        self.requests.append(request)
+        self.request_seen.set()
+        return self._outputs(request)
+
+    async def _outputs(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        ids = self.tokenizer.encode(self.answer, add_special_tokens=False)
+        limit = request.stop_conditions.max_tokens
+        reason: FinishReason = "stop"
+        if limit is not None and limit < len(ids):
+            ids, reason = ids[:limit], "length"
+        pieces = [ids[i : i + self.chunk] for i in range(0, len(ids), self.chunk)]
+        finished = False
+        try:
+            for n, piece in enumerate(pieces):
+                if self.error_after is not None and n == self.error_after[0]:
+                    raise self.error_after[1]
+                if self.hang_after is not None and n == self.hang_after:
+                    await anyio.sleep_forever()
+                if self.delay:
+                    await anyio.sleep(self.delay)
+                last = n == len(pieces) - 1
+                if last and self.truncate:
+                    yield EngineOutput(token_ids=piece)
+                    finished = True
+                    return
+                if last:
+                    usage = Usage(
+                        prompt_tokens=len(request.token_ids),
+                        completion_tokens=len(ids),
+                        cached_tokens=2,
+                    )
+                    finished = True
+                    if self.finish_error is not None:
+                        yield EngineOutput(
+                            token_ids=piece, finish_reason="error", error=self.finish_error
+                        )
+                        return
+                    yield EngineOutput(token_ids=piece, finish_reason=reason, usage=usage)
+                    return
+                yield EngineOutput(token_ids=piece)
+        finally:
+            # Reached without "finished": the consumer closed or cancelled us mid-stream.
+            if finished:
+                self.completed.append(request.rid)
+            else:
+                self.cancelled.append(request.rid)
+                self.cancel_seen.set()

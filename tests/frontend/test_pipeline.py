@@ -1,0 +1,107 @@
+"""From engine outputs to client text: stop strings, finish reasons, usage."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from actors.frontend import ByteTokenizer
+from actors.frontend._pipeline import Choice, StopMatcher
+from protocols.engine import EngineOutput, Usage
+from protocols.errors import EngineFailure, RequestCancelled
+
+
+def _feed(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = []
+    for piece in pieces:
+        text, stopped = matcher.feed(piece)
+        out.append(text)
+        if stopped:
+            return "".join(out), True
+    out.append(matcher.release())
+    return "".join(out), False
+
+
+def _split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    bounds = [0, *points, len(text)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def test_stop_string_split_across_outputs_is_cut_and_never_sent() -> None:
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("The answer. S") == ("The answer. ", False)  # "S" held back
+    assert matcher.feed("TO") == ("", False)
+    assert matcher.feed("P and more") == ("", True)
+
+
+def test_held_prefix_is_released_when_it_is_not_a_stop() -> None:
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("ST") == ("", False)
+    assert matcher.feed("AY") == ("STAY", False)
+    assert matcher.feed("x S") == ("x ", False)
+    assert matcher.release() == "S"
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    assert StopMatcher(["world", "lo w"]).feed("hello world") == ("hel", True)
+
+
+@given(
+    st.text(alphabet="abST OP", max_size=40),
+    st.lists(st.sampled_from(["STOP", "OP S", "a", "bb"]), min_size=1, max_size=3),
+    st.lists(st.integers(min_value=0, max_value=50), max_size=10),
+)
+def test_streamed_matching_equals_whole_text_matching(
+    text: str, stops: list[str], cuts: list[int]
+) -> None:
+    cut = min((i for i in (text.find(s) for s in stops) if i != -1), default=-1)
+    expected = (text, False) if cut == -1 else (text[:cut], True)
+    assert _feed(StopMatcher(stops), _split(text, cuts)) == expected
+
+
+def _choice(stop: list[str] | None = None, min_tokens: int = 0) -> Choice:
+    tok = ByteTokenizer()
+    return Choice(tok.detokenizer([]), prompt_tokens=7, stop=stop or [], min_tokens=min_tokens)
+
+
+def _ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def test_choice_passes_finish_reason_and_engine_usage() -> None:
+    choice = _choice()
+    assert choice.on_output(EngineOutput(token_ids=_ids("ab"))) == ("ab", None)
+    usage = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4)
+    out = EngineOutput(token_ids=_ids("c"), finish_reason="length", usage=usage)
+    assert choice.on_output(out) == ("c", "length")
+    assert choice.final_usage() == usage
+
+
+def test_choice_counts_usage_itself_when_a_stop_string_ends_it() -> None:
+    choice = _choice(["STOP"])
+    assert choice.on_output(EngineOutput(token_ids=_ids("one ST"))) == ("one ", None)
+    assert choice.on_output(EngineOutput(token_ids=_ids("OP two"))) == ("", "stop")
+    assert choice.final_usage() == Usage(prompt_tokens=7, completion_tokens=12)
+
+
+def test_stop_strings_wait_for_min_tokens() -> None:
+    choice = _choice(["a"], min_tokens=4)
+    assert choice.on_output(EngineOutput(token_ids=_ids("aa"))) == ("aa", None)
+    assert choice.on_output(EngineOutput(token_ids=_ids("bab"))) == ("b", "stop")
+
+
+def test_held_text_is_sent_when_the_engine_finishes() -> None:
+    choice = _choice(["STOP"])
+    assert choice.on_output(EngineOutput(token_ids=_ids("end ST"))) == ("end ", None)
+    assert choice.on_output(EngineOutput(finish_reason="stop")) == ("ST", "stop")
+
+
+def test_engine_error_and_server_abort_raise_typed_errors() -> None:
+    with pytest.raises(EngineFailure, match="boom"):
+        _choice().on_output(EngineOutput(finish_reason="error", error="boom"))
+    with pytest.raises(RequestCancelled):
+        _choice().on_output(EngineOutput(finish_reason="cancelled"))

@@ -1,0 +1,276 @@
+"""KV transfer over real NIXL/UCX between real OS processes: data, failures, restarts, leaks."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from actors.kv import KVConfig, new_room
+from actors.kv._bootstrap import pack_pages
+from actors.kv._peer import (
+    Connect,
+    Outcome,
+    PeerProcess,
+    Prefill,
+    Receive,
+    Release,
+    WaitRoom,
+    bootstrap_for,
+    fill_pattern,
+    pattern_pages,
+)
+from protocols.errors import KVCorrupted, KVTransferError
+from tests.kv.helpers import (
+    NUM_PAGES,
+    PAGE_BYTES,
+    PEER_TIMEOUT,
+    eventually,
+    local_decode,
+    local_prefill,
+    peer,
+    peer_stats,
+)
+
+
+async def _assert_peer_clean(proc: PeerProcess) -> None:
+    info = await peer_stats(proc)
+    assert info["pool"]["pages_in_use"] == 0
+    assert info["pool"]["allocations_live"] == 0
+    assert info["agent"]["xfers_live"] == 0
+
+
+async def test_pages_move_byte_exact_contiguous_scattered_and_concurrent(ipc_dir: str) -> None:
+    with anyio.fail_after(60):
+        async with peer("prefill", ipc_dir) as (proc, ready), local_decode() as kv:
+            await kv.connect(ready.endpoint)  # pre-warmed: metadata exchanged, NIXL connected
+            pool = kv.pool
+            host = pool.host_view
+            assert host is not None
+
+            # Contiguous on both sides: one descriptor for 64 pages.
+            room = new_room()
+            await proc.call(Prefill(room=room, num_pages=64, seed=1))
+            with pool.alloc(64) as alloc:
+                got = await kv.receive(bootstrap_for(ready, room), alloc)
+                assert got.verified
+                assert np.array_equal(host[alloc.pages], pattern_pages(1, 64, PAGE_BYTES))
+            sent = await proc.call(WaitRoom(room=room))
+            assert sent.ok and sent.descriptors == 1 and sent.nbytes == 64 * PAGE_BYTES
+
+            # Scattered on both sides: every page its own descriptor, still byte-exact.
+            rng = np.random.default_rng(7)
+            theirs = rng.permutation(NUM_PAGES)[:100].astype(np.int64)
+            ours = rng.permutation(NUM_PAGES)[:100].astype(np.int64)
+            room = new_room()
+            await proc.call(Prefill(room=room, num_pages=100, seed=2, pages=pack_pages(theirs)))
+            with pool.alloc_exact(ours) as alloc:
+                got = await kv.receive(bootstrap_for(ready, room), alloc)
+                assert np.array_equal(host[ours], pattern_pages(2, 100, PAGE_BYTES))
+            sent = await proc.call(WaitRoom(room=room))
+            assert sent.ok and sent.descriptors >= 90
+
+            # Many concurrent rooms; half of them ask before prefill has opened the room.
+            async def one(i: int) -> None:
+                room = new_room()
+                count = 4 + i % 13
+                with pool.alloc(count) as alloc:
+                    if i % 2:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(kv.receive, bootstrap_for(ready, room), alloc)
+                            await anyio.sleep(0.01)
+                            await proc.call(Prefill(room=room, num_pages=count, seed=100 + i))
+                    else:
+                        await proc.call(Prefill(room=room, num_pages=count, seed=100 + i))
+                        await kv.receive(bootstrap_for(ready, room), alloc)
+                    want = pattern_pages(100 + i, count, PAGE_BYTES)
+                    assert np.array_equal(host[alloc.pages], want)
+                assert (await proc.call(WaitRoom(room=room))).ok
+
+            async with anyio.create_task_group() as tg:
+                for i in range(24):
+                    tg.start_soon(one, i)
+
+            stats = kv.statistics()
+            assert stats.rooms_done == 26 and stats.rooms_failed == 0
+            assert stats.lazy_connects == 0 and stats.pages_quarantined == 0
+            assert pool.statistics().pages_in_use == 0
+            assert kv.agent.statistics().xfers_live == 0
+            await _assert_peer_clean(proc)
+            info = await peer_stats(proc)
+            assert info["kv"]["open_rooms"] == 0 and info["kv"]["rooms_done"] == 26
+            assert info["agent"]["remote_agents"] == 1
+
+
+async def test_corrupted_page_raises_kv_corrupted(ipc_dir: str) -> None:
+    with anyio.fail_after(30):
+        async with peer("prefill", ipc_dir) as (proc, ready), local_decode() as kv:
+            await kv.connect(ready.endpoint)
+            room = new_room()
+            await proc.call(Prefill(room=room, num_pages=16, seed=3, corrupt=5))
+            alloc = kv.pool.alloc(16)
+            with pytest.raises(KVCorrupted, match="1 of 16 pages"):
+                await kv.receive(bootstrap_for(ready, room), alloc)
+            assert alloc.freed  # the transfer was terminal: the pages went straight back
+            assert KVCorrupted.migratable
+
+            room = new_room()  # the next room is fine
+            await proc.call(Prefill(room=room, num_pages=16, seed=4))
+            with kv.pool.alloc(16) as alloc:
+                assert (await kv.receive(bootstrap_for(ready, room), alloc)).verified
+            assert kv.statistics().rooms_corrupted == 1
+            assert kv.pool.statistics().pages_in_use == 0
+            await _assert_peer_clean(proc)
+
+
+async def test_cancelled_receive_releases_pages_and_tells_prefill(ipc_dir: str) -> None:
+    with anyio.fail_after(30):
+        async with peer("prefill", ipc_dir) as (proc, ready), local_decode() as kv:
+            await kv.connect(ready.endpoint)
+            room = new_room()
+            await proc.call(Prefill(room=room, num_pages=32, seed=5, hold=True))
+            alloc = kv.pool.alloc(32)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kv.receive, bootstrap_for(ready, room), alloc)
+
+                async def requested() -> bool:
+                    return (await peer_stats(proc))["kv"]["requested_rooms"] == 1
+
+                await eventually(requested)
+                tg.cancel_scope.cancel()  # the decode request is cancelled mid hand-off
+            # The pages stay quarantined until prefill confirms nothing more will be written.
+            assert await kv.wait_idle(5.0)
+            assert alloc.freed and kv.pool.statistics().pages_in_use == 0
+            await proc.call(Release(room=room))
+            outcome = await proc.call(WaitRoom(room=room))
+            assert not outcome.ok and outcome.code == "kv.decode_cancelled"
+            await _assert_peer_clean(proc)
+            assert (await peer_stats(proc))["kv"]["open_rooms"] == 0
+
+
+async def test_prefill_killed_then_restarted_on_same_address(ipc_dir: str) -> None:
+    boot = f"ipc://{ipc_dir}/bootstrap"
+    with anyio.fail_after(40):
+        async with local_decode() as kv:
+            async with peer("prefill", ipc_dir, bootstrap=boot) as (proc, ready):
+                await kv.connect(boot)
+                room = new_room()
+                await proc.call(Prefill(room=room, num_pages=32, seed=6, hold=True))
+                alloc = kv.pool.alloc(32)
+                errors: list[BaseException] = []
+
+                async def receive() -> None:
+                    try:
+                        await kv.receive(bootstrap_for(ready, room), alloc)
+                    except KVTransferError as exc:
+                        errors.append(exc)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(receive)
+
+                    async def requested() -> bool:
+                        return (await peer_stats(proc))["kv"]["requested_rooms"] == 1
+
+                    await eventually(requested)
+                    proc.kill()
+                    # A bounded, typed, migratable failure: the heartbeat notices the death.
+                    with anyio.fail_after(PEER_TIMEOUT * 4):
+                        while not errors:
+                            await anyio.sleep(0.02)
+                assert errors[0].migratable and "lost" in str(errors[0])
+                assert alloc.freed and kv.pool.statistics().pages_in_use == 0
+
+            # A new prefill process on the same address: decode meets it again by itself.
+            async with peer("prefill", ipc_dir, name="ctl2", bootstrap=boot) as (proc, ready):
+                room = new_room()
+                await proc.call(Prefill(room=room, num_pages=8, seed=7))
+                with kv.pool.alloc(8) as alloc:
+                    got = await kv.receive(bootstrap_for(ready, room), alloc)
+                    assert got.verified
+                assert kv.statistics().prefill_restarts_seen == 1
+                await _assert_peer_clean(proc)
+            assert kv.pool.statistics().pages_in_use == 0
+
+
+async def _receive_in_child(
+    proc: PeerProcess, endpoint: str, room: int, n: int, seed: int, out: list[Outcome]
+) -> None:
+    from actors.kv import bootstrap_info
+
+    out.append(
+        await proc.call(Receive(bootstrap=bootstrap_info(endpoint, room), num_pages=n, seed=seed))
+    )
+
+
+async def test_decode_killed_mid_transfer_prefill_frees_pages(ipc_dir: str) -> None:
+    with anyio.fail_after(30):
+        async with local_prefill() as kv:
+            async with peer("decode", ipc_dir) as (proc, _):
+                await proc.call(Connect(endpoint=kv.endpoint))
+                room = kv.open_room()
+                alloc = kv.pool.alloc(64)
+                fill_pattern(kv.pool, alloc.pages, 8)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_receive_in_child, proc, kv.endpoint, room.room, 64, 8, [])
+                    await room.wait_requested(10)
+                    proc.kill()
+                    with pytest.raises(KVTransferError):
+                        await room.send(alloc)
+                    tg.cancel_scope.cancel()
+                alloc.free()
+                room.close()
+            assert await kv.wait_transfers_done(5.0)
+            assert kv.pool.statistics().pages_in_use == 0
+
+            async def reaped() -> bool:
+                return kv.statistics().peers == 0 and kv.agent.statistics().remote_agents == 0
+
+            await eventually(reaped)
+            assert kv.agent.statistics().xfers_live == 0
+
+
+async def test_decode_restarted_on_same_worker_id_and_agent_name(ipc_dir: str) -> None:
+    # A long peer timeout keeps the stale peer known when its successor says Hello: prefill
+    # must replace it (remove the remote agent, then load the new metadata under the same name).
+    with anyio.fail_after(40):
+        async with local_prefill(config=KVConfig(peer_timeout=30.0)) as kv:
+            for life in range(2):
+                async with peer(
+                    "decode",
+                    ipc_dir,
+                    name=f"ctl{life}",
+                    worker_id="decode-0",
+                    agent_name="decode-0-agent",
+                ) as (proc, _):
+                    await proc.call(Connect(endpoint=kv.endpoint))
+                    with kv.open_room() as room, kv.pool.alloc(16) as alloc:
+                        fill_pattern(kv.pool, alloc.pages, 10 + life)
+                        out: list[Outcome] = []
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(
+                                _receive_in_child, proc, kv.endpoint, room.room, 16, 10 + life, out
+                            )
+                            result = await room.send(alloc)
+                        assert out[0].ok and result.descriptors == 1
+                    if life == 0:
+                        # Prefill aborts a room decode waits for: decode fails fast, migratable.
+                        with kv.open_room() as room:
+                            out = []
+                            async with anyio.create_task_group() as tg:
+                                tg.start_soon(
+                                    _receive_in_child, proc, kv.endpoint, room.room, 8, 0, out
+                                )
+                                await room.wait_requested(10)
+                                room.abort("engine aborted the request")
+                            assert out[0].code == "kv.transfer_aborted"
+                        await _assert_peer_clean(proc)
+                        proc.kill()  # no Goodbye: the stale peer stays until replaced
+            assert kv.statistics().peers_replaced == 1
+            assert kv.pool.statistics().pages_in_use == 0
+
+            async def gone() -> bool:  # the live one said Goodbye when it stopped
+                return kv.statistics().peers == 0 and kv.agent.statistics().remote_agents == 0
+
+            await eventually(gone)
+            assert kv.agent.statistics().xfers_live == 0
+            assert kv.agent.statistics().registrations == 2  # the pool and the probe scratch
