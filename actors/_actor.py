@@ -22,14 +22,16 @@ __all__ = ["Actor", "Exit", "LinkedExit"]
 
 @attrs.frozen
 class Exit:
-    """Delivered to an actor with ``trap_exits`` when a linked actor exits abnormally."""
+    """Delivered to an actor with ``trap_exits`` when a linked actor exits, for any reason
+    (``normal`` included: OTP's ``{'EXIT', Pid, Reason}``)."""
 
     ref: ActorRef[Any]
     reason: ExitReason
 
 
 class LinkedExit(Exception):
-    """The reason an actor dies when an actor it is linked to dies (and it does not trap exits)."""
+    """Why an actor died when an actor it is linked to died (and it does not trap exits): the
+    ``error`` of its exit reason, whose kind is the linked actor's (OTP's exit signal)."""
 
     def __init__(self, ref: ActorRef[Any], reason: ExitReason) -> None:
         super().__init__(f"linked actor {ref.name!r} exited: {reason}")
@@ -108,11 +110,12 @@ class Actor:
         return self._runtime.watch(ref, lambda reason: Down(ref, reason))
 
     def demonitor(self, ref: ActorRef[Any], monitor_id: int) -> None:
-        ref._cell.listeners.pop(monitor_id, None)
+        self._runtime.unwatch(ref._cell, monitor_id)
 
     def link(self, ref: ActorRef[Any]) -> None:
-        """Tie this actor's fate to ``ref``'s (both ways): when either exits other than
-        ``normal``, the other dies too, or gets :class:`Exit` if it traps exits."""
+        """Tie this incarnation's fate to ``ref``'s (both ways): when either exits other than
+        ``normal``, the other dies too with that reason's kind, or gets :class:`Exit` if it
+        traps exits."""
         self._runtime.link(ref)
 
 

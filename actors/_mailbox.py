@@ -13,11 +13,12 @@ from typing import Any
 from actors._backend import Backend, Parking
 from actors._errors import MailboxFull
 
-__all__ = ["ASK", "STREAM", "TELL", "Mailbox"]
+__all__ = ["ASK", "ASK_ABORTABLE", "STREAM", "TELL", "Mailbox"]
 
 TELL = 0
 ASK = 1
 STREAM = 2
+ASK_ABORTABLE = 3  # an ask from another process: its caller may cancel the running handler
 
 Item = tuple[int, Any, Any]
 
@@ -86,6 +87,9 @@ class Mailbox:
             return False
         self.put_nowait(item)
         return True
+
+    def abandon(self, reply: Any) -> None:
+        """A local handler runs to completion; its reply is dropped (as OTP's calls)."""
 
     def pop(self) -> Item:
         item = self.items.popleft()

@@ -68,6 +68,10 @@ class WhileRestarting:
     mode: Literal["fail", "wait"] = "fail"
     timeout: float = 1.0
 
+    def __attrs_post_init__(self) -> None:
+        if self.mode not in ("fail", "wait") or not self.timeout >= 0:
+            raise ValueError("WhileRestarting needs mode 'fail' or 'wait' and timeout >= 0")
+
 
 @attrs.frozen
 class Down:
@@ -101,6 +105,9 @@ class Inbox(Protocol):
     def put_system(self, item: Item) -> None: ...
 
     async def put(self, item: Item) -> bool: ...
+
+    def abandon(self, reply: Any) -> None:
+        """The caller of an ask gave up (timeout or cancellation)."""
 
 
 ExitListener = Callable[[ExitReason], None]
@@ -296,12 +303,16 @@ class ActorRef(Generic[R]):
         item = (ASK, message, reply)
         if len(inbox) < inbox.capacity:
             inbox.put_nowait(item)
-        elif not await inbox.put(item):
-            raise cell.not_running_error()
+        else:
+            timeout = await _put_within(cell, inbox, item, timeout)
         try:
             return await reply.wait(timeout)
         except TimeoutError:
+            inbox.abandon(reply)
             raise AskTimeout(f"no reply from {cell.name!r} within {timeout} s") from None
+        except BaseException:
+            inbox.abandon(reply)  # cancelled: a remote handler is aborted
+            raise
 
     def stream(self, message: Any, *, buffer: int = 16) -> ReplyStream[Any]:
         """Send ``message`` to the actor's stream handler; iterate the replies.
@@ -332,6 +343,18 @@ class ActorRef(Generic[R]):
             mailbox_capacity=inbox.capacity if inbox is not None else 0,
             messages_received=inbox.put_count if inbox is not None else 0,
         )
+
+
+async def _put_within(cell: Cell, inbox: Inbox, item: Item, timeout: float | None) -> float | None:
+    """Wait for mailbox room within the ask's ``timeout``; return what is left of it."""
+    import anyio
+
+    start = anyio.current_time()
+    with anyio.move_on_after(math.inf if timeout is None else timeout):
+        if not await inbox.put(item):
+            raise cell.not_running_error()
+        return None if timeout is None else max(0.0, timeout - (anyio.current_time() - start))
+    raise AskTimeout(f"no room in {cell.name!r}'s mailbox within {timeout} s")
 
 
 def crash_error(name: str, reason: ExitReason) -> Exception:

@@ -26,8 +26,10 @@ class Registry:
             raise NameTaken(name)
         self._names[name] = ref
 
-    def unregister(self, name: str) -> None:
-        self._names.pop(name, None)
+    def unregister(self, name: str, ref: ActorRef[Any] | None = None) -> None:
+        """Free ``name`` (only if it names ``ref``, when given)."""
+        if ref is None or self._names.get(name) == ref:
+            self._names.pop(name, None)
 
     def whereis(self, name: str) -> ActorRef[Any] | None:
         """The ref registered as ``name``, or ``None``."""

@@ -19,7 +19,7 @@ from actors._actor import Actor, Exit, LinkedExit, deliver_notice
 from actors._backend import Reply, backend
 from actors._errors import ActorCrashed, ReplyError, StreamCancelled
 from actors._exit import ExitReason
-from actors._mailbox import ASK, STREAM, TELL, Mailbox
+from actors._mailbox import ASK, ASK_ABORTABLE, STREAM, TELL, Mailbox
 from actors._ref import ActorRef, Cell, CellState, crash_error
 from actors._stream import StreamChannel
 
@@ -34,6 +34,18 @@ _FAIRNESS = 64
 _ids = itertools.count(1)
 
 OnExit = Callable[[ExitReason], CellState]
+
+
+def _failure(exc: BaseException) -> BaseException | None:
+    """The real error in ``exc``, without the cancellations that came with it (a task that
+    failed while its siblings were being cancelled); ``None`` if it is only cancellation."""
+    cancelled = anyio.get_cancelled_exc_class()
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(cancelled)
+        return rest
+    if isinstance(exc, cancelled | KeyboardInterrupt | SystemExit | GeneratorExit):
+        return None
+    return exc
 
 
 def unwrap_error(exc: BaseException) -> BaseException:
@@ -58,6 +70,9 @@ class Incarnation:
         self.kill_reason: ExitReason | None = None
         self.exit_reason: ExitReason | None = None
         self.channels: set[StreamChannel] = set()
+        # Listeners this incarnation put on other actors' cells (monitors, links), dropped when
+        # it ends, as OTP drops a dead process's monitors and links.
+        self.watching: dict[int, Cell] = {}
         self.task_group: anyio.abc.TaskGroup
         self._reply_errors: tuple[type[BaseException], ...] = (ReplyError, *actor.reply_errors)
         actor._runtime = self
@@ -80,29 +95,52 @@ class Incarnation:
         monitor_id = next(_ids)
         cell = ref._cell
         if cell.state is CellState.RUNNING:
-            cell.listeners[monitor_id] = lambda reason: deliver_notice(self, notice(reason))
+
+            def fire(reason: ExitReason) -> None:
+                self.watching.pop(monitor_id, None)
+                deliver_notice(self, notice(reason))
+
+            cell.listeners[monitor_id] = fire
+            self.watching[monitor_id] = cell
         else:
             deliver_notice(self, notice(cell.last_exit or ExitReason.killed("noproc")))
         return monitor_id
+
+    def unwatch(self, cell: Cell, monitor_id: int) -> None:
+        cell.listeners.pop(monitor_id, None)
+        self.watching.pop(monitor_id, None)
 
     def link(self, ref: ActorRef[Any]) -> None:
         other = ref._cell
         if other.state is not CellState.RUNNING:
             self.linked_exit(ref, other.last_exit or ExitReason.killed("noproc"))
             return
-        other.listeners[next(_ids)] = lambda reason: self.linked_exit(ref, reason)
+        mine, theirs = next(_ids), next(_ids)
+        my_cell = self.ref._cell
+
+        def on_their_exit(reason: ExitReason) -> None:
+            self.watching.pop(theirs, None)
+            my_cell.listeners.pop(mine, None)  # the link is gone both ways
+            self.linked_exit(ref, reason)
+
+        other.listeners[theirs] = on_their_exit
+        self.watching[theirs] = other
         peer = other.runtime
         if peer is not None:
             me = self.ref
-            self.ref._cell.listeners[next(_ids)] = lambda reason: peer.linked_exit(me, reason)
+            my_cell.listeners[mine] = lambda reason: peer.linked_exit(me, reason)
 
     def linked_exit(self, ref: ActorRef[Any], reason: ExitReason) -> None:
-        if reason.kind == "normal" or self.exit_reason is not None:
+        """OTP's exit signal: a trapping actor gets :class:`Exit` (``normal`` included); any
+        other dies with the signal's reason (so ``shutdown`` stays a non-failure), except for
+        ``normal``, which it ignores."""
+        if self.exit_reason is not None:
             return
         if self.actor.trap_exits:
             deliver_notice(self, Exit(ref, reason))
-        else:
-            self.kill(ExitReason.from_error(LinkedExit(ref, reason)))
+        elif reason.kind != "normal":
+            detail = f"linked actor {ref.name!r} exited: {reason}"
+            self.kill(ExitReason(reason.kind, detail, LinkedExit(ref, reason)))
 
     # -- the task ---------------------------------------------------------------------------
 
@@ -130,8 +168,11 @@ class Incarnation:
                         stopping_ran = True
                         await self.actor.stopping(reason)
                         tg.cancel_scope.cancel()
-                except Exception as exc:
-                    reason = ExitReason.from_error(unwrap_error(exc))
+                except BaseException as exc:
+                    error = _failure(exc)
+                    if error is None:
+                        raise
+                    reason = ExitReason.from_error(unwrap_error(error))
                     if bound and not stopping_ran:
                         await self._stopping_after_crash(reason)
             if self.kill_scope.cancelled_caught:
@@ -146,6 +187,9 @@ class Incarnation:
             raise
         finally:
             self.exit_reason = reason
+            for monitor_id, watched in self.watching.items():
+                watched.listeners.pop(monitor_id, None)
+            self.watching.clear()
             self._fail_pending(reason)
             if bound:
                 cell.unbind(reason, on_exit(reason))
@@ -188,11 +232,31 @@ class Incarnation:
                     pass  # a reply error to a tell has nobody to go to
             elif kind == STREAM:
                 streams.start_soon(self._pump, message, extra)
+            elif kind == ASK_ABORTABLE:
+                await self._abortable_ask(receive, message, extra)
             budget -= 1
             if not budget:
                 budget = _FAIRNESS
                 await anyio.lowlevel.checkpoint()
         return self.stop_reason
+
+    async def _abortable_ask(self, receive: Callable[[Any], Any], message: Any, reply: Any) -> None:
+        """An ask whose caller (in another process) may abort it: the handler runs in its own
+        cancel scope, which the abort cancels; the actor itself goes on."""
+        if reply.aborted:
+            return
+        with anyio.CancelScope() as scope:
+            reply.scope = scope
+            try:
+                result = await receive(message)
+            except self._reply_errors as exc:
+                reply.fail(exc)
+                return
+            except Exception as exc:
+                reply.fail(ActorCrashed(self.ref.name, ExitReason.from_error(exc)))
+                raise
+        if not scope.cancelled_caught:
+            reply.set(result)
 
     async def _pump(self, message: Any, channel: StreamChannel) -> None:
         self.channels.add(channel)
@@ -220,12 +284,15 @@ class Incarnation:
             channel.fail(ActorCrashed(self.ref.name, ExitReason.from_error(exc)))
             raise
         finally:
-            self.channels.discard(channel)
+            # Cancelled with the incarnation, the channel stays for _fail_pending to end it:
+            # its consumer must get the exit reason, never hang.
+            if channel.finished:
+                self.channels.discard(channel)
 
     def _fail_pending(self, reason: ExitReason) -> None:
         error = crash_error(self.ref.name, reason)
         for kind, _, extra in self.mailbox.close():
-            if kind in (ASK, STREAM):
+            if kind in (ASK, ASK_ABORTABLE, STREAM):
                 extra.fail(error)
         for channel in list(self.channels):
             channel.fail(error)

@@ -134,11 +134,9 @@ class ReplyStream(Generic[T]):
         return self
 
     async def __anext__(self) -> T:
-        try:
-            item: T = await self._channel.receive()
-        except BaseException:
-            self._open = False
-            raise
+        # No bookkeeping on errors: a consumer cancelled here must still cancel the producer
+        # when it closes the stream (closing an ended stream is a no-op).
+        item: T = await self._channel.receive()
         return item
 
     async def receive(self) -> T:

@@ -40,6 +40,9 @@ class ChildInfo:
 
 @attrs.frozen
 class ChildCount:
+    """OTP's ``count_children``: ``specs`` (1 for simple_one_for_one: the template), ``active``
+    (running), ``supervisors`` and ``workers`` (children by kind, running or not)."""
+
     specs: int
     active: int
     supervisors: int

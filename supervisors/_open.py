@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+import math
+
 import anyio
 
 from actors import ActorRef, Clock, ExitReason, Registry
-from actors.lowlevel import Cell, CellState, Incarnation, reset_registry, set_registry
+from actors.lowlevel import Cell, CellState, Incarnation, reset_registry, set_registry, unwrap_error
 from supervisors._api import SupervisorRef
-from supervisors._errors import ChildStartFailed, SupervisorExited
+from supervisors._errors import SupervisorExited
 from supervisors._spec import ChildSpec, SupervisorFlags
 from supervisors._supervisor import Supervisor
 
@@ -36,7 +38,7 @@ async def open_supervisor(
     :class:`SupervisorExited` raised. Named children are registered in ``registry`` (a fresh one
     by default), which every task of the tree sees as :func:`actors.current_registry`.
     """
-    token = set_registry(registry or Registry())
+    token = set_registry(registry if registry is not None else Registry())  # (empty is falsy)
     supervisor = Supervisor(children, flags, name=name, clock=clock)
     ref: ActorRef[Supervisor] = ActorRef(Cell(name))
     inc = Incarnation(supervisor, ref)
@@ -53,22 +55,31 @@ async def open_supervisor(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(inc.run, ref._cell, on_exit, name=f"supervisor {name}")
-            try:
-                await inc.ready.wait(None)
-            except ChildStartFailed:
-                raise
+            await inc.ready.wait(None)
             try:
                 yield SupervisorRef(ref)
+            except Exception as exc:
+                if exited_by_itself is None:
+                    raise
+                # The body's calls failed because the root exited by itself: that is the news.
+                raise SupervisorExited(name, exited_by_itself) from exc
             finally:
                 stopping = True
                 inc.request_stop(ExitReason.shutdown())
                 with anyio.CancelScope(shield=True):
                     with anyio.move_on_after(
-                        shutdown_timeout if shutdown_timeout is not None else float("inf")
+                        math.inf if shutdown_timeout is None else shutdown_timeout
                     ):
                         await inc.finished.wait()
                     inc.kill(ExitReason.killed("shutdown timeout"))
                     await inc.finished.wait()
+    except BaseExceptionGroup as group:
+        # anyio wraps even a single error (a start failure, the body's own exception): give it
+        # back as raised.
+        error = unwrap_error(group)
+        if error is group:
+            raise
+        raise error from None
     finally:
         reset_registry(token)
     if exited_by_itself is not None:

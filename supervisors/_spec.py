@@ -123,6 +123,11 @@ class ChildSpec:
             )
         if self.start_timeout is not None and not self.start_timeout > 0:
             raise InvalidChildSpec(self.id, "start_timeout", "must be > 0")
+        if self.backoff is not None and not isinstance(self.backoff, Backoff):
+            raise InvalidChildSpec(self.id, "backoff", f"must be a Backoff, got {self.backoff!r}")
+        if not isinstance(self.while_restarting, WhileRestarting):
+            problem = f"must be a WhileRestarting, got {self.while_restarting!r}"
+            raise InvalidChildSpec(self.id, "while_restarting", problem)
 
     @property
     def shutdown_timeout(self) -> float:
@@ -203,6 +208,25 @@ _converter.register_structure_hook_func(
 )
 
 
+
+
+def _strict(kind: type, accepts: Callable[[Any], bool]) -> None:
+    """No silent coercion (cattrs would turn 1.5 into 1, "yes" into True, 5 into "5")."""
+
+    def structure(value: Any, _: Any) -> Any:
+        if not accepts(value):
+            raise TypeError(f"expected {kind.__name__}, got {value!r}")
+        return kind(value)
+
+    _converter.register_structure_hook(kind, structure)
+
+
+_strict(int, lambda v: isinstance(v, int) and not isinstance(v, bool))
+_strict(float, lambda v: isinstance(v, int | float) and not isinstance(v, bool))
+_strict(str, lambda v: isinstance(v, str))
+_strict(bool, lambda v: isinstance(v, bool))
+
+
 def _type_name(t: Any) -> str:
     return str(t).replace("collections.abc.", "").replace("actors._actor.", "")
 
@@ -215,14 +239,17 @@ def _is_union_with_literal(t: Any) -> bool:
     )
 
 
-def _first_problem(exc: cattrs.ClassValidationError) -> tuple[str, str]:
+def _first_problem(exc: cattrs.ClassValidationError, prefix: str = "") -> tuple[str, str]:
+    """The offending key (dotted for nested ones: ``backoff.min_delay``) and what is wrong."""
     for sub in exc.exceptions:
         if isinstance(sub, InvalidChildSpec | InvalidFlags):
             return sub.field, sub.problem
         notes = getattr(sub, "__notes__", [])
-        field = str(getattr(notes[0], "name", "?")) if notes else "?"
-        return field, f"{type(sub).__name__}: {sub}"
-    return "?", str(exc)
+        field = prefix + str(getattr(notes[0], "name", "?")) if notes else prefix.rstrip(".")
+        if isinstance(sub, cattrs.ClassValidationError):
+            return _first_problem(sub, f"{field}.")
+        return field or "?", f"{type(sub).__name__}: {sub}"
+    return prefix.rstrip(".") or "?", str(exc)
 
 
 def process_child(

@@ -18,7 +18,16 @@ from typing import Any
 import anyio
 import attrs
 
-from actors import Actor, ActorRef, Clock, ExitReason, Ignore, RealClock, current_registry
+from actors import (
+    Actor,
+    ActorRef,
+    Clock,
+    ExitReason,
+    Ignore,
+    NameTaken,
+    RealClock,
+    current_registry,
+)
 from actors.lowlevel import OWNER_GONE, TELL, Cell, CellState, Incarnation
 from supervisors import _api as api
 from supervisors._children import Child
@@ -99,16 +108,19 @@ class Supervisor(Actor):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def started(self) -> None:
+        self.start_soon(self._release_at_exit, name=f"{self.name} guard")
         if self._dynamic:
             return
         for spec in self._specs:
-            child = self._add(spec)
             try:
+                child = self._add(spec)
                 await self._start(child)
             except ChildStartFailed:
                 self._children.pop(spec.id, None)
                 await self._terminate_all()
                 raise
+            if child.inc is None and spec.restart is Restart.TEMPORARY:
+                self._forget(child)  # OTP keeps no spec for an ignored temporary child
 
     async def stopping(self, reason: ExitReason) -> None:
         await self._terminate_all()
@@ -118,8 +130,12 @@ class Supervisor(Actor):
             case _ChildExited(child=child, incarnation=inc, reason=reason):
                 await self._child_exited(child, inc, reason)
             case _RestartDue(group=group, token=token):
-                if group and group[0].pending_restart == token:
-                    await self._restart_group([c for c in group if self._children.get(c.id) is c])
+                # Members terminated or deleted meanwhile are no longer due.
+                due = [
+                    c for c in group if c.pending_restart == token and self._children.get(c.id) is c
+                ]
+                if due:
+                    await self._restart_group(due)
             case api.StartChild(spec=spec, args=args):
                 return await self._start_child(spec, args)
             case api.TerminateChild(key=key):
@@ -148,9 +164,12 @@ class Supervisor(Actor):
         child_id = child_id or spec.id
         cell = Cell(f"{self.name}/{child_id}", spec.while_restarting)
         child = Child(child_id, spec, ActorRef(cell), args)
-        self._children[child_id] = child
         if spec.name is not None:
-            current_registry().register(spec.name, child.ref)
+            try:
+                current_registry().register(spec.name, child.ref)
+            except NameTaken as exc:  # OTP: {error, {already_started, Pid}}
+                raise self._start_failed(child, exc) from None
+        self._children[child_id] = child
         return child
 
     async def _start(self, child: Child) -> None:
@@ -221,7 +240,8 @@ class Supervisor(Actor):
         now = self.clock.now()
         window = self._restarts
         window.append(now)
-        while window and window[0] <= now - self.flags.period:
+        # OTP keeps the restarts at most ``period`` old (supervisor:add_restart, inclusive).
+        while window and window[0] < now - self.flags.period:
             window.popleft()
         self._restart_total += 1
         if len(window) > self.flags.intensity:
@@ -247,18 +267,23 @@ class Supervisor(Actor):
             group = [c for c in group if self._children.get(c.id) is c]
         await self._schedule_restart(failed, group)
 
-    async def _schedule_restart(self, failed: Child, group: list[Child]) -> None:
+    async def _schedule_restart(self, failed: Child, group: list[Child], *, retry: bool = False) -> None:
         for child in group:
             child.ref._cell.set_state(CellState.RESTARTING)
         backoff = failed.spec.backoff
         delay = backoff.delay(failed.restart_attempts, self._rng.random()) if backoff else 0.0
         failed.restart_attempts += 1
-        if delay <= 0:
+        if delay <= 0 and not retry:
             await self._restart_group(group)
             return
         token = next(self._tokens)
         for child in group:
             child.pending_restart = token
+        if delay <= 0:
+            # OTP's try_again_restart: a retry after a failed restart is a message of its own,
+            # so the supervisor answers calls (and can be stopped) between attempts.
+            self._runtime.mailbox.put_system((TELL, _RestartDue(tuple(group), token), None))
+            return
         set_backoff(self.name, failed.label, delay)
         emit(
             self.name,
@@ -288,7 +313,7 @@ class Supervisor(Actor):
                 for member in group:
                     member.ref._cell.set_state(CellState.RESTARTING)
                 if self._record_restart():
-                    await self._schedule_restart(child, group)
+                    await self._schedule_restart(child, group, retry=True)
                 return
             started.append(child)
             if child.inc is not None:
@@ -337,16 +362,28 @@ class Supervisor(Actor):
         else:
             for child in reversed(children):
                 await self._terminate(child)
+        self._release(children)
+
+    def _release(self, children: Iterable[Child]) -> None:
+        """The children's refs end dead and their names are freed."""
+        registry = current_registry()
         for child in children:
-            child.ref._cell.set_state(CellState.DEAD)
+            if child.ref._cell.state is not CellState.RUNNING:
+                child.ref._cell.set_state(CellState.DEAD)
             if child.spec.name is not None:
-                current_registry().unregister(child.spec.name)
+                registry.unregister(child.spec.name, child.ref)
+
+    async def _release_at_exit(self) -> None:
+        """Runs as long as the supervisor: however it ends, a kill included (no hook runs then),
+        its children's names are freed for its next incarnation."""
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self._release(list(self._children.values()))
 
     def _forget(self, child: Child) -> None:
         self._children.pop(child.id, None)
-        child.ref._cell.set_state(CellState.DEAD)
-        if child.spec.name is not None:
-            current_registry().unregister(child.spec.name)
+        self._release([child])
 
     # -- administration ------------------------------------------------------------------------
 
@@ -418,21 +455,24 @@ class Supervisor(Actor):
 
     def _count(self) -> api.ChildCount:
         children: Iterable[Child] = self._children.values()
-        specs = active = supervisors = 0
+        total = active = supervisors = 0
         for child in children:
-            specs += 1
+            total += 1
             active += child.inc is not None
             supervisors += child.spec.kind == "supervisor"
-        return api.ChildCount(specs, active, supervisors, specs - supervisors)
+        # OTP: a simple_one_for_one supervisor has one spec (the template), however many
+        # children it runs.
+        specs = 1 if self._dynamic else total
+        return api.ChildCount(specs, active, supervisors, total - supervisors)
 
     def _statistics(self) -> api.SupervisorStatistics:
         now = self.clock.now()
-        window = sum(1 for t in self._restarts if t > now - self.flags.period)
+        window = sum(1 for t in self._restarts if t >= now - self.flags.period)
         count = self._count()
         return api.SupervisorStatistics(
             name=self.name,
             strategy=self.flags.strategy.value,
-            children=count.specs,
+            children=len(self._children),
             active=count.active,
             restarts=self._restart_total,
             restarts_in_window=window,

@@ -3,6 +3,7 @@ task, child process or socket may be left behind."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -11,6 +12,10 @@ from typing import Any
 import psutil
 import pytest
 import sniffio
+import structlog
+
+# Keep the suite's output readable: supervisors log every child start at debug.
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 pytest_plugins = ["tests.helpers.fixtures"]
 

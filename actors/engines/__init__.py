@@ -27,9 +27,22 @@ state).
   ``kv_events_replay_endpoints`` / ``metrics_endpoint`` say where;
   :class:`KvEventSubscriber`, :func:`replay_kv_events` and :class:`KvMetricsSubscriber` consume
   them (from SGLang too).
-- **Disaggregation**: see ``actors.engines._mock._transfer`` for the KV-transfer hook
-  (``wait_transfer_target`` / ``complete_transfer`` on decode, ``wait_transfer_source`` /
-  ``release_transfer`` on prefill); requests bootstrapped to :data:`FAKE_BOOTSTRAP_HOST` skip it.
+- **Disaggregation** (``role="prefill"`` / ``"decode"``): the engines move no bytes; a transfer
+  layer does, between the buffers ``kv_memory(rank)`` / ``kv_buffer(rank)`` describe::
+
+      stream = decode.generate(req)                    # req.bootstrap_info set (a real host)
+      dst = await decode.wait_transfer_target(rid)     # fresh blocks for the prompt's pages
+      await drain(prefill.generate(req))               # one token, disaggregated_params
+      src = await prefill.wait_transfer_source(rid)    # the prefill's blocks, held ("owed")
+      ... WRITE page i: src.block_ids[i] -> dst.block_ids[i] (offsets: block_id * block_bytes)
+      decode.complete_transfer(rid)                    # verifies every page, then decodes
+      prefill.release_transfer(rid)                    # frees the owed blocks
+
+  ``decode.fail_transfer(rid, why)`` ends the stream with ``KVTransferError``; a page that fails
+  verification ends it with ``KVCorrupted``; unclaimed transfers time out
+  (``transfer_timeout_s``). ``verify_pages(block_ids, tokens)``, ``page_hash``,
+  ``prompt_page_hashes``, ``page_content`` and ``page_checksum`` let the transfer layer check
+  pages itself. Requests bootstrapped to :data:`FAKE_BOOTSTRAP_HOST` skip all of it.
 
 Streams raise typed errors from ``protocols.errors``: ``KVCorrupted`` / ``KVTransferError`` (decode
 transfer), ``EngineShutdown`` (cleanup while running), ``InvalidRequest`` /
@@ -75,7 +88,27 @@ from actors.engines._mock._wire import (
     encode_kv_metrics,
 )
 
+# Backends with heavy or GPU-only dependencies load on first use: importing actorserve never
+# imports sglang (or torch).
+_LAZY = {
+    "SGLangEngine": "actors.engines._sglang",
+    "SGLangRequiresAsyncio": "actors.engines._sglang",
+    "SGLangMetricsReader": "actors.engines._sglang_metrics",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
 __all__ = [
+    "SGLangEngine",
+    "SGLangMetricsReader",
+    "SGLangRequiresAsyncio",
     "FAKE_BOOTSTRAP_HOST",
     "AllBlocksCleared",
     "BlockPoolStatistics",

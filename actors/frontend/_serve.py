@@ -7,7 +7,6 @@ import socket
 from typing import cast
 
 import anyio
-import sniffio
 from anyio.abc import TaskStatus
 from hypercorn.config import Config, Sockets
 from hypercorn.typing import ASGIFramework
@@ -17,6 +16,33 @@ from starlette.types import ASGIApp
 __all__ = ["serve"]
 
 log = logging.getLogger("actorserve.frontend.http")
+
+
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on accepted sockets whose proto
+    # says TCP, and socket.create_server leaves it 0. Without it, a response written in two
+    # pieces (headers, then body) waits ~40 ms for the client's delayed ACK (Nagle).
+    family, type_, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _on_trio() -> bool:
+    try:
+        import sniffio
+    except ImportError:
+        return False  # trio depends on sniffio: without it, this is asyncio (as anyio assumes)
+    return sniffio.current_async_library() == "trio"
 
 
 def _config(graceful_timeout_s: float, keep_alive_timeout_s: float) -> Config:
@@ -45,9 +71,8 @@ async def serve(
     Cancellation stops accepting connections, lets in-flight requests finish for up to
     ``graceful_timeout_s``, then cancels what is left and returns (re-raising the cancellation).
     """
-    sock = socket.create_server((host, port), backlog=backlog)
+    sock = _listen(host, port, backlog)
     with sock:
-        sock.setblocking(False)
         bound_port: int = sock.getsockname()[1]
         config = _config(graceful_timeout_s, keep_alive_timeout_s)
         config.backlog = backlog
@@ -65,7 +90,7 @@ async def serve(
                 with shield:
                     # worker_serve takes ready-made sockets (the public serve() only bind
                     # strings), which is how serve() knows its port before anything connects.
-                    if sniffio.current_async_library() == "trio":
+                    if _on_trio():
                         from hypercorn.trio.run import worker_serve as trio_serve
 
                         await trio_serve(

@@ -8,6 +8,7 @@ endpoint as the whole address in ``host`` with port 0.
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass
 
@@ -43,6 +44,17 @@ class KVConfig:
     ``idle_poll_s``: the decode side's NIXL notification poll when no write is announced
     (it also answers UCX wire-up); while one is, it polls without sleeping.
     ``spin_s``: the initiator spins on the transfer state this long before backing off.
+    ``poll_while_pending``: decode polls hard (yielding the CPU between polls) whenever a room
+    is pending, not only once prefill announced its WRITE. Completing a WRITE needs the
+    target's UCX progress, so this removes the announcement's latency (a ZMQ hop and a wake-up)
+    from every transfer, at the price of a busy core while requests wait for prefill: worth
+    it on a GPU host with cores to spare, not on a small shared CPU machine.
+    ``yield_cpu``: give the CPU away (``time.sleep(0)``, ~50-80 us) between polls while spinning.
+    On a small machine a pure spin starves the peer whose progress the WRITE needs; on a big
+    host the yield only adds latency. ``None`` decides by core count (yield on 4 or fewer).
+    ``prepared_dlists``: prepare the descriptor lists of the local pool and of each peer's pool
+    once (when the peers meet) and build each WRITE from page indices; otherwise every WRITE
+    builds and validates its descriptor lists from scratch.
     """
 
     heartbeat_interval: float = 0.25
@@ -53,11 +65,21 @@ class KVConfig:
     settle_timeout: float = 5.0
     idle_poll_s: float = 0.005
     spin_s: float = 0.02
+    poll_while_pending: bool = False
+    yield_cpu: bool | None = None
+    prepared_dlists: bool = True
     verify: bool = True
 
     def __post_init__(self) -> None:
         if self.peer_timeout <= self.heartbeat_interval:
             raise ValueError("peer_timeout must exceed heartbeat_interval")
+
+    @property
+    def yields(self) -> bool:
+        """Whether spinning pollers yield the CPU between polls (see ``yield_cpu``)."""
+        if self.yield_cpu is not None:
+            return self.yield_cpu
+        return (os.cpu_count() or 1) <= 4
 
 
 def new_room() -> int:

@@ -56,7 +56,7 @@ def page_checksums(pool: KVPool, pages: npt.NDArray[np.int64]) -> npt.NDArray[np
     assert tensor is not None
     import torch
 
-    index = torch.as_tensor(pages, device=tensor.device)
+    index = torch.tensor(pages, device=tensor.device)  # a copy: pages may be read-only
     per_chunk = max(1, _CHUNK_BYTES // pool.page_bytes)
     parts = [
         _torch_checksums(tensor.index_select(0, index[i : i + per_chunk]))

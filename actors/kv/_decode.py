@@ -34,6 +34,7 @@ from actors.kv._checksum import page_checksums
 from actors.kv._conn import PendingRoom, PrefillConnection
 from actors.kv._nixl import NixlAgent
 from actors.kv._pool import KVPool, PageAllocation
+from actors.kv._transfer import yield_cpu
 from protocols.engine import BootstrapInfo
 from protocols.errors import KVCorrupted, KVTransferError
 from protocols.kv import Goodbye, Hello, TransferRequest, decode_notification
@@ -295,17 +296,38 @@ class DecodeKV:
             self._poke.set()
 
     async def _poll_notifications(self) -> None:
-        """Poll NIXL notifications: hard while a WRITE is announced, gently otherwise."""
-        idle = self.config.idle_poll_s
+        """Poll NIXL notifications: hard while a WRITE is announced (or, with
+        ``poll_while_pending``, while any room is pending), gently otherwise.
+
+        Completing a WRITE needs our UCX progress too (the transport's flush round trip), so
+        while one is coming we poll without sleeping, yielding the CPU between polls, for up to
+        ``spin_s`` per announcement, then at the event loop's 1 ms timer grain.
+        """
+        cfg = self.config
+        spin_until = 0.0
         while True:
             for sender, msgs in self.agent.get_notifs().items():
                 for raw in msgs:
                     self._dispatch(sender, raw)
-            if any(c.writing for c in self._conns.values()):
+            writing = any(c.writing for c in self._conns.values())
+            if cfg.poll_while_pending and self._pending:
+                if cfg.yields:
+                    yield_cpu()
                 await anyio.lowlevel.checkpoint()
+            elif writing:
+                now = time.monotonic()
+                if not spin_until:
+                    spin_until = now + cfg.spin_s
+                if now < spin_until:
+                    if cfg.yields:
+                        yield_cpu()
+                    await anyio.lowlevel.checkpoint()
+                else:
+                    await anyio.sleep(0.0005)
             else:
+                spin_until = 0.0
                 self._poke = anyio.Event()
-                with anyio.move_on_after(idle):
+                with anyio.move_on_after(cfg.idle_poll_s):
                     await self._poke.wait()
 
     def _dispatch(self, sender: str, raw: bytes) -> None:

@@ -31,6 +31,7 @@ from protocols.kv import MemoryKind
 
 __all__ = [
     "AgentStatistics",
+    "DlistHandle",
     "NixlAgent",
     "NixlError",
     "Registration",
@@ -96,6 +97,7 @@ class AgentStatistics:
     remote_agents: int
     xfers_live: int
     xfers_posted: int
+    dlists_live: int
     remote_agents_replaced: int
 
 
@@ -122,6 +124,18 @@ class XferHandle:
         self.remote = remote
 
 
+class DlistHandle:
+    """A descriptor list prepared once (all pages of a pool, local or a peer's): transfers then
+    name pages by index, and NIXL merges consecutive ones into one descriptor."""
+
+    __slots__ = ("_handle", "agent_name", "size")
+
+    def __init__(self, handle: Any, agent_name: str, size: int) -> None:
+        self._handle = handle
+        self.agent_name = agent_name
+        self.size = size
+
+
 class NixlAgent:
     """One NIXL agent with the UCX backend and the progress thread off.
 
@@ -146,6 +160,7 @@ class NixlAgent:
         self._registrations: set[Registration] = set()
         self._remotes: set[str] = set()
         self._xfers: set[XferHandle] = set()
+        self._dlists: set[DlistHandle] = set()
         self._posted = 0
         self._replaced = 0
         self._closed = False
@@ -259,11 +274,14 @@ class NixlAgent:
             ),
             remote_agent,
         )
+        return self._start(handle)
+
+    def _start(self, handle: XferHandle) -> tuple[XferHandle, XferState]:
         self._xfers.add(handle)
         self._posted += 1
         try:
             state: XferState = _call(
-                f"transfer to {remote_agent!r}", self._agent.transfer, handle._handle
+                f"transfer to {handle.remote!r}", self._agent.transfer, handle._handle
             )
         except NixlError as exc:
             error = exc
@@ -275,6 +293,60 @@ class NixlAgent:
                 break
         self.release(handle)
         raise error
+
+    def prep_dlist(
+        self, descs: npt.NDArray[np.uint64], mem: MemoryKind, remote_agent: str | None = None
+    ) -> DlistHandle:
+        """Prepare ``descs`` (``Nx3``) once: this agent's memory, or ``remote_agent``'s.
+
+        Preparing resolves every descriptor against the registrations (and the peer's remote
+        keys) up front, so a transfer built from it costs a fraction of one built from raw
+        descriptor lists (which pays that on every request).
+        """
+        self._check_open()
+        name = "NIXL_INIT_AGENT" if remote_agent is None else remote_agent
+        handle = DlistHandle(
+            _call(f"prep_xfer_dlist({name})", self._agent.prep_xfer_dlist, name, descs, mem),
+            name,
+            int(descs.shape[0]),
+        )
+        self._dlists.add(handle)
+        return handle
+
+    def release_dlist(self, handle: DlistHandle) -> None:
+        """Release a prepared list (idempotent); before its remote agent is removed."""
+        if handle in self._dlists:
+            self._dlists.discard(handle)
+            try:
+                handle._handle.release()
+            except Exception:
+                pass  # already gone with its agent
+            handle._handle = None
+
+    def post_prepped(
+        self,
+        local: DlistHandle,
+        local_idx: npt.NDArray[np.int32],
+        remote: DlistHandle,
+        remote_idx: npt.NDArray[np.int32],
+        notif: bytes = b"",
+    ) -> tuple[XferHandle, XferState]:
+        """Create and post one WRITE of ``local[local_idx]`` into ``remote[remote_idx]``."""
+        self._check_open()
+        handle = XferHandle(
+            _call(
+                f"make_prepped_xfer to {remote.agent_name!r}",
+                self._agent.make_prepped_xfer,
+                "WRITE",
+                local._handle,
+                local_idx,
+                remote._handle,
+                remote_idx,
+                notif,
+            ),
+            remote.agent_name,
+        )
+        return self._start(handle)
 
     def state(self, handle: XferHandle) -> XferState:
         """Poll a transfer (drives UCX progress). Errors from the binding read as ``ERR``."""
@@ -315,6 +387,7 @@ class NixlAgent:
             registered_bytes=sum(r.size for r in self._registrations),
             remote_agents=len(self._remotes),
             xfers_live=len(self._xfers),
+            dlists_live=len(self._dlists),
             xfers_posted=self._posted,
             remote_agents_replaced=self._replaced,
         )
@@ -329,6 +402,8 @@ class NixlAgent:
             return
         for handle in list(self._xfers):
             self.release(handle)
+        for dlist in list(self._dlists):
+            self.release_dlist(dlist)
         for name in list(self._remotes):
             self.remove_remote(name)
         for reg in list(self._registrations):

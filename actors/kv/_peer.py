@@ -142,9 +142,10 @@ def fill_pattern(pool: KVPool, pages: npt.NDArray[np.int64], seed: int) -> None:
 
     tensor = pool.tensor_view
     assert tensor is not None
-    index = torch.as_tensor(pages, device=tensor.device)
+    index = torch.tensor(pages, device=tensor.device)  # a copy: pages may be read-only
     tensor.index_copy_(0, index, torch.from_numpy(data).to(tensor.device))
-    torch.cuda.synchronize(tensor.device)
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
 def _read_pages(pool: KVPool, pages: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
@@ -155,7 +156,7 @@ def _read_pages(pool: KVPool, pages: npt.NDArray[np.int64]) -> npt.NDArray[np.ui
     assert tensor is not None
     import torch
 
-    index = torch.as_tensor(pages, device=tensor.device)
+    index = torch.tensor(pages, device=tensor.device)  # a copy: pages may be read-only
     out: npt.NDArray[np.uint8] = tensor.index_select(0, index).cpu().numpy()
     return out
 
@@ -262,10 +263,13 @@ class _Worker:
 
 async def _child_main(args: argparse.Namespace) -> None:
     config = KVConfig(
-        heartbeat_interval=args.heartbeat, peer_timeout=args.peer_timeout, verify=True
+        heartbeat_interval=args.heartbeat,
+        peer_timeout=args.peer_timeout,
+        poll_while_pending=args.poll_while_pending,
     )
+    # The pool first: on a GPU it creates the CUDA context UCX's CUDA transports look for.
+    pool = KVPool.allocate(args.pages, args.page_bytes, device=args.device)
     with NixlAgent(args.agent_name, prefix=args.role) as agent:
-        pool = KVPool.allocate(args.pages, args.page_bytes, device=args.device)
         kv: PrefillKV | DecodeKV
         if args.role == "prefill":
             kv = PrefillKV(
@@ -325,6 +329,7 @@ class PeerProcess:
         self.process = process
         self._control = Channel(control, self._on_frames)
         self._ids = itertools.count(1)
+        self._killed = False
         self._waiters: dict[int, tuple[anyio.Event, list[Outcome]]] = {}
         self._decoder = msgspec.msgpack.Decoder(_ReplyEnvelope)
         self._encoder = msgspec.msgpack.Encoder()
@@ -348,6 +353,7 @@ class PeerProcess:
         agent_name: str | None = None,
         heartbeat: float = 0.1,
         peer_timeout: float = 1.0,
+        poll_while_pending: bool = False,
     ) -> AsyncIterator[PeerProcess]:
         """Run a peer; on exit stop it (gracefully, else SIGKILL) and reap it."""
         cmd = [sys.executable, "-m", "actors.kv._peer", "--role", role, "--control", control]
@@ -358,6 +364,8 @@ class PeerProcess:
             cmd += ["--worker-id", worker_id]
         if agent_name:
             cmd += ["--agent-name", agent_name]
+        if poll_while_pending:
+            cmd += ["--poll-while-pending"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         process = await anyio.open_process(
             cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env
@@ -401,6 +409,7 @@ class PeerProcess:
 
     def kill(self) -> None:
         """SIGKILL the peer (a real fault, for tests)."""
+        self._killed = True
         os.kill(self.process.pid, signal.SIGKILL)
 
     def _on_frames(self, frames: list[bytes]) -> None:
@@ -411,7 +420,7 @@ class PeerProcess:
             waiter[0].set()
 
     async def _stop(self) -> None:
-        if self.process.returncode is not None:
+        if self._killed or self.process.returncode is not None:
             return
         with anyio.move_on_after(5.0):
             await self.call(Stop(), timeout=5.0)
@@ -435,6 +444,7 @@ def _main() -> None:
     parser.add_argument("--agent-name", default=None)
     parser.add_argument("--heartbeat", type=float, default=0.1)
     parser.add_argument("--peer-timeout", type=float, default=1.0)
+    parser.add_argument("--poll-while-pending", action="store_true")
     args = parser.parse_args()
     anyio.run(_child_main, args)
 

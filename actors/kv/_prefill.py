@@ -30,10 +30,10 @@ import zmq
 from actors._zmq import AsyncSocket
 from actors.kv._bootstrap import KVConfig, check_room, new_room, unpack_pages
 from actors.kv._channel import Channel
-from actors.kv._nixl import NixlAgent, NixlError
+from actors.kv._nixl import DlistHandle, NixlAgent, NixlError
 from actors.kv._pool import KVPool
 from actors.kv._room import DecodeCancelled, PrefillPeer, PrefillRoom, TransferRequestRecord
-from actors.kv._transfer import TransferAborted, probe_peer
+from actors.kv._transfer import TransferAborted, page_table, probe_peer
 from protocols.errors import KVTransferError
 from protocols.kv import (
     BootstrapMessage,
@@ -101,6 +101,7 @@ class PrefillKV:
         self.endpoint = endpoint
         self._chan: Channel | None = None
         self._scratch: _Scratch | None = None
+        self._dlist: DlistHandle | None = None  # the local pool's pages, prepared once
         self._tg: anyio.abc.TaskGroup | None = None
         self._rooms: dict[int, PrefillRoom] = {}
         self._early: dict[int, TransferRequestRecord] = {}
@@ -116,6 +117,9 @@ class PrefillKV:
         self._changed = anyio.Event()
         self.pool.register(self.agent)
         self._scratch = _Scratch(self.agent, self.pool)
+        if self.config.prepared_dlists:
+            mine = self.pool.memory_desc()
+            self._dlist = self.agent.prep_dlist(page_table(mine), mine.mem_type)
         sock = AsyncSocket.create(zmq.ROUTER, ROUTER_HANDOVER=1, SNDHWM=0, RCVHWM=0)
         try:
             self.endpoint = sock.bind(self._bind)
@@ -144,6 +148,9 @@ class PrefillKV:
         for peer in [*self._peers.values(), *self._dying]:
             self._forget(peer)
         self._dying.clear()
+        if self._dlist is not None:
+            self.agent.release_dlist(self._dlist)
+            self._dlist = None
         self._chan.close()
         if self._scratch is not None:
             self._scratch.close()
@@ -285,6 +292,16 @@ class PrefillKV:
                 hello.agent_name,
                 timeout=self.config.settle_timeout,
             )
+        dlist = None
+        if self.config.prepared_dlists:
+            try:
+                dlist = self.agent.prep_dlist(
+                    page_table(hello.memory), hello.memory.mem_type, hello.agent_name
+                )
+            except NixlError as exc:
+                self.agent.remove_remote(hello.agent_name)
+                self._send(rid, Reject(reason=str(exc)))
+                return
         self._peers[rid] = PrefillPeer(
             routing_id=rid,
             worker_id=hello.worker_id,
@@ -292,6 +309,7 @@ class PrefillKV:
             incarnation=hello.incarnation,
             memory=hello.memory,
             last_seen=time.monotonic(),
+            dlist=dlist,
         )
         self._send(rid, self._welcome())
 
@@ -386,6 +404,9 @@ class PrefillKV:
         if self._peers.get(peer.routing_id) is peer:
             del self._peers[peer.routing_id]
         if not self.agent.closed:
+            if peer.dlist is not None:
+                self.agent.release_dlist(peer.dlist)  # before its agent goes
+                peer.dlist = None
             self.agent.remove_remote(peer.agent_name)
 
     def _transfer_started(self, peer: PrefillPeer) -> None:

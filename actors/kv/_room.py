@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,8 +14,9 @@ import numpy.typing as npt
 
 from actors.kv._bootstrap import bootstrap_info
 from actors.kv._checksum import page_checksums
+from actors.kv._nixl import DlistHandle, XferHandle, XferState
 from actors.kv._pool import PageAllocation, as_page_array
-from actors.kv._transfer import TransferAborted, coalesce, write_pages
+from actors.kv._transfer import TransferAborted, coalesce, count_runs, write_pages
 from protocols.engine import BootstrapInfo
 from protocols.errors import KVTransferError, RequestError
 from protocols.kv import KVMemoryDesc, TransferNotification, Writing, encode_notification
@@ -59,6 +61,7 @@ class PrefillPeer:
     rooms: set[int] = field(default_factory=set)
     inflight: int = 0
     dead: bool = False
+    dlist: DlistHandle | None = None  # its pool's pages, prepared once
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +83,7 @@ class TransferResult:
     pages: int
     nbytes: int
     descriptors: int
-    seconds: float
+    seconds: float  # the WRITE, from posting to NIXL's DONE
 
 
 class PrefillRoom:
@@ -97,6 +100,7 @@ class PrefillRoom:
         self._abort = anyio.Event()  # stop the WRITE in flight
         self._tell_decode = True
         self._close_requested = False
+        self._notif = b""
 
     async def wait_requested(self, timeout: float | None = None) -> None:
         """Wait until decode sent its page list; raises the room's failure or ``TimeoutError``."""
@@ -136,7 +140,7 @@ class PrefillRoom:
         req = self.request
         assert req is not None
         try:
-            descs = coalesce(local, kv.pool.memory_desc(), req.pages, req.peer.memory)
+            start_write, nbytes, ndescs = self._plan(local, req)
         except ValueError as exc:
             self._fail(KVTransferError(f"room {self.room}: {exc}"))
             raise self.failure from exc  # type: ignore[misc]
@@ -145,23 +149,22 @@ class PrefillRoom:
             if checksums is None:
                 checksums = page_checksums(kv.pool, local)
             sums = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
-        notif = encode_notification(TransferNotification(self.room, sums))
+        self._notif = encode_notification(TransferNotification(self.room, sums))
         self.state = RoomState.TRANSFERRING
         kv._transfer_started(req.peer)
         kv._send(req.peer.routing_id, Writing(room=self.room))
+        cfg = kv.config
         start = time.perf_counter()
         try:
             await write_pages(
                 kv.agent,
-                descs,
-                kv.pool.memory_desc(),
-                req.peer.memory,
+                start_write,
                 req.peer.agent_name,
-                notif,
-                timeout=kv.config.transfer_timeout,
+                timeout=cfg.transfer_timeout,
                 abort=self._abort,
-                spin_s=kv.config.spin_s,
-                settle_timeout=kv.config.settle_timeout,
+                spin_s=cfg.spin_s,
+                yields=cfg.yields,
+                settle_timeout=cfg.settle_timeout,
             )
         except BaseException as exc:
             # The WRITE is terminal here (write_pages settles it on every path).
@@ -179,14 +182,53 @@ class PrefillRoom:
             raise
         self.state = RoomState.DONE
         kv._transfer_ended(req.peer)
-        kv._room_done(self, descs.nbytes, descs.count)
+        kv._room_done(self, nbytes, ndescs)
         return TransferResult(
             room=self.room,
             pages=int(local.size),
-            nbytes=descs.nbytes,
-            descriptors=descs.count,
+            nbytes=nbytes,
+            descriptors=ndescs,
             seconds=time.perf_counter() - start,
         )
+
+    def _plan(
+        self, local: npt.NDArray[np.int64], req: TransferRequestRecord
+    ) -> tuple[Callable[[], tuple[XferHandle, XferState]], int, int]:
+        """How to post this room's WRITE: from the prepared page lists (page indices; NIXL merges
+        consecutive pages), or from freshly coalesced descriptors. Raises ``ValueError`` for
+        page lists that do not fit."""
+        kv = self._kv
+        mine, theirs = kv.pool.memory_desc(), req.peer.memory
+        if local.size != req.pages.size:
+            raise ValueError(f"{local.size} pages for {req.pages.size} decode pages")
+        if mine.page_bytes != theirs.page_bytes:
+            raise ValueError("local and remote page sizes differ")
+        if local.size == 0 or int(local.min()) < 0 or int(local.max()) >= mine.num_pages:
+            raise ValueError("page index out of the prefill pool's range")
+        nbytes = int(local.size) * mine.page_bytes
+        agent, local_list, remote_list = kv.agent, kv._dlist, req.peer.dlist
+        if local_list is not None and remote_list is not None:
+            lidx = local.astype(np.int32)
+            ridx = req.pages.astype(np.int32)
+
+            def start_prepped() -> tuple[XferHandle, XferState]:
+                return agent.post_prepped(local_list, lidx, remote_list, ridx, self._notif)
+
+            return start_prepped, nbytes, count_runs(local, req.pages)
+        descs = coalesce(local, mine, req.pages, theirs)
+
+        def start_raw() -> tuple[XferHandle, XferState]:
+            return agent.post(
+                "WRITE",
+                descs.local,
+                mine.mem_type,
+                descs.remote,
+                theirs.mem_type,
+                req.peer.agent_name,
+                self._notif,
+            )
+
+        return start_raw, nbytes, descs.count
 
     def abort(self, reason: str = "prefill aborted the request") -> None:
         """The engine gives up on the request: decode is told, a WRITE in flight is stopped."""

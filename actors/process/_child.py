@@ -16,18 +16,21 @@ import anyio
 import msgspec
 
 from actors._backend import backend
+from actors._errors import ActorCrashed
 from actors._exit import ExitReason
-from actors._mailbox import ASK, STREAM, TELL
+from actors._mailbox import ASK_ABORTABLE, STREAM, TELL
 from actors._ref import ActorRef, Cell, CellState
 from actors._runtime import Incarnation
 from actors._stream import StreamChannel
 from actors.process import _frames as f
+from actors._zmq import context
 from actors.process._link import Link
 from protocols import codec
 
 __all__ = ["main", "resolve"]
 
 _PR_SET_PDEATHSIG = 1
+_LAST_WORDS_S = 2.0  # how long a dying child may take to deliver START_FAILED / EXIT
 
 
 class ChildOptions(msgspec.Struct, frozen=True):
@@ -61,16 +64,31 @@ def main(endpoint: str, factory: str, args: bytes, options: bytes) -> None:
     opts = msgspec.msgpack.decode(options, type=ChildOptions)
     if opts.root_pid and os.getppid() == 1:
         os._exit(1)
-    anyio.run(_serve, endpoint, factory, args, opts, backend=opts.backend)
+    try:
+        anyio.run(_serve, endpoint, factory, args, opts, backend=opts.backend)
+    finally:
+        # Terminating the context flushes the lingering last frames (START_FAILED, EXIT).
+        context().term()
 
 
 class _RemoteReply:
-    __slots__ = ("_corr", "_done", "_link")
+    """Answers an ask over the socket; the parent's CANCEL aborts the running handler."""
 
-    def __init__(self, link: Link, corr: int) -> None:
+    __slots__ = ("_corr", "_done", "_link", "_pending", "aborted", "scope")
+
+    def __init__(self, link: Link, corr: int, pending: dict[int, _RemoteReply]) -> None:
         self._link = link
         self._corr = corr
         self._done = False
+        self._pending = pending
+        self.aborted = False
+        self.scope: anyio.CancelScope | None = None
+
+    def abort(self) -> None:
+        self.aborted = self._done = True
+        self._pending.pop(self._corr, None)
+        if self.scope is not None:
+            self.scope.cancel()
 
     @property
     def done(self) -> bool:
@@ -80,6 +98,7 @@ class _RemoteReply:
         if self._done:
             return
         self._done = True
+        self._pending.pop(self._corr, None)
         try:
             body = codec.encode(value)
         except codec.CodecError as exc:
@@ -88,8 +107,11 @@ class _RemoteReply:
         self._link.send([f.header(f.REPLY, self._corr), body])
 
     def fail(self, error: BaseException) -> None:
+        if isinstance(error, ActorCrashed):
+            return  # the actor is dying: the parent fails every pending call on its EXIT
         if not self._done:
             self._done = True
+            self._pending.pop(self._corr, None)
             self._link.send([f.header(f.ERROR, self._corr), codec.encode_error(error)])
 
     async def wait(self, timeout: float | None) -> Any:  # never awaited in the child
@@ -132,6 +154,8 @@ class _RemoteChannel(StreamChannel):
             self._link.send([f.header(f.END, self._corr), b""])
 
     def fail(self, error: BaseException) -> None:
+        if isinstance(error, ActorCrashed):
+            return  # as for asks: the EXIT frame speaks for the crash
         if not self.finished:
             self.finished = True
             self._servers.pop(self._corr, None)
@@ -147,12 +171,14 @@ class _Server:
         self.inc = inc
         self.link = Link(self.on_frames)
         self.streams: dict[int, _RemoteChannel] = {}
+        self.asks: dict[int, _RemoteReply] = {}
 
     def on_frames(self, frames: list[bytes]) -> None:
         kind, corr = f.parse_header(frames[0])
         mailbox = self.inc.mailbox
         if kind == f.ASK:
-            mailbox.put_system((ASK, codec.decode(frames[1]), _RemoteReply(self.link, corr)))
+            reply = self.asks[corr] = _RemoteReply(self.link, corr, self.asks)
+            mailbox.put_system((ASK_ABORTABLE, codec.decode(frames[1]), reply))
         elif kind == f.TELL:
             mailbox.put_system((TELL, codec.decode(frames[1]), None))
         elif kind == f.STREAM:
@@ -168,6 +194,9 @@ class _Server:
             open_channel = self.streams.get(corr)
             if open_channel is not None:
                 open_channel.cancel()
+            pending = self.asks.get(corr)
+            if pending is not None:
+                pending.abort()
         elif kind == f.STOP:
             kind_name, detail = msgspec.msgpack.decode(frames[1])
             self.inc.request_stop(ExitReason(kind_name, detail or None))
@@ -202,7 +231,7 @@ async def _serve(endpoint: str, factory: str, args: bytes, opts: ChildOptions) -
         link = Link(lambda frames: None)
         link.connect(endpoint)
         link.send([f.header(f.START_FAILED), codec.encode_error(exc)])
-        link.close()
+        link.close(linger=_LAST_WORDS_S)
         return
     server.link.connect(endpoint)
     try:
@@ -222,4 +251,4 @@ async def _serve(endpoint: str, factory: str, args: bytes, opts: ChildOptions) -
             server.link.send([f.header(f.EXIT), _reason_bytes(inc.exit_reason)])
             tg.cancel_scope.cancel()
     finally:
-        server.link.close()
+        server.link.close(linger=_LAST_WORDS_S)

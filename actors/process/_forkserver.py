@@ -11,6 +11,7 @@ closes, which happens when the root dies however it dies, and every child carrie
 
 from __future__ import annotations
 
+import atexit
 import os
 import select
 import signal
@@ -95,8 +96,12 @@ class ForkServer:
                 self._exit_codes[int(event[1])] = int(event[2])
 
     def close(self) -> None:
-        self._in.close()
+        """Stop the server; it kills any child still running."""
+        if not self._in.closed:
+            self._in.close()
         self._proc.wait(5)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
 
 
 _server: ForkServer | None = None
@@ -109,6 +114,7 @@ def forkserver(preload: list[str]) -> ForkServer:
     with _server_lock:
         if _server is None or _server._proc.poll() is not None:
             _server = ForkServer(preload)
+            atexit.register(_server.close)
         return _server
 
 

@@ -121,10 +121,11 @@ class Link:
             self._kick = None
         raise self._error
 
-    def close(self) -> None:
+    def close(self, linger: float = 0) -> None:
+        """Close the socket; ``linger`` seconds let queued frames (a last EXIT) still go out."""
         self._kick = None
         if not self.socket.closed:
-            self.socket.close(linger=0)
+            self.socket.close(linger=int(linger * 1000))
 
 
 def new_endpoint(transport: str, name: str) -> str:

@@ -98,6 +98,16 @@ class _Forwarder:
 
     put_system = put_nowait
 
+    def abandon(self, reply: Any) -> None:
+        """The caller gave up: abort the remote handler."""
+        owner = self._owner
+        for corr, pending in owner.asks.items():
+            if pending is reply:
+                del owner.asks[corr]
+                if not owner.wire.socket.closed:
+                    owner.wire.send([f.header(f.CANCEL, corr), b""])
+                return
+
     async def put(self, item: Item) -> bool:
         self.put_nowait(item)
         return True
@@ -224,6 +234,7 @@ class ProcessActor(Actor):
         try:
             await anyio.wait_readable(self._pidfd)
             self._exited.set()
+            self.wire.drain()  # frames it sent before exiting (START_FAILED, EXIT) come first
             if self._stopping:
                 return
             remote = self._remote_exit
@@ -240,8 +251,9 @@ class ProcessActor(Actor):
             )
             self._exitcode = await anyio.to_thread.run_sync(exit_code, self._pid)
             error = ProcessDied(self.ref.name, self._exitcode, cause)
-            if self._ready is not None:
-                self._ready.fail(error)
+            if self._ready is not None and not self._ready.done:
+                self._ready.fail(error)  # started() raises it: a start failure, not a crash
+                return
             raise error
         finally:
             if self._alive():
@@ -288,7 +300,12 @@ class ProcessActor(Actor):
                 self._ready.fail(codec.decode_error(frames[1]))
         elif kind == f.EXIT:
             kind_name, detail = msgspec.msgpack.decode(frames[1])
-            self._remote_exit = ExitReason(kind_name, detail or None)
+            remote = self._remote_exit = ExitReason(kind_name, detail or None)
+            if remote.is_abnormal:
+                # The process is about to exit: crash now, callers need not wait for that.
+                error = ProcessDied(self.ref.name, None, str(remote))
+                self._fail_calls(ActorCrashed(self.ref.name, ExitReason.from_error(error)))
+                raise error
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -303,14 +320,17 @@ class ProcessActor(Actor):
         if self._pidfd is not None and self._alive():
             signal.pidfd_send_signal(self._pidfd, sig)
 
-    def _shutdown(self, error: BaseException) -> None:
-        """Fail every pending call and close the socket (idempotent)."""
+    def _fail_calls(self, error: BaseException) -> None:
         asks, self.asks = self.asks, {}
         streams, self.streams = self.streams, {}
         for reply in asks.values():
             reply.fail(error)
         for channel in streams.values():
             channel.fail(error)
+
+    def _shutdown(self, error: BaseException) -> None:
+        """Fail every pending call and close the socket (idempotent)."""
+        self._fail_calls(error)
         self.wire.close()
         if self._pidfd is not None and not self._alive():
             os.close(self._pidfd)

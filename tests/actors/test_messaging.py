@@ -219,6 +219,7 @@ async def test_call_to_a_restarting_actor_fails_at_once_by_default() -> None:
             await ref.tell("ping")
         with pytest.raises(ActorRestarting):
             ref.tell_nowait("ping")
+        await wait_until(lambda: clock.sleepers == 1)
         clock.advance(10.0)
         await wait_until(lambda: ref.is_running)
         assert await ref.ask("ping") == "pong"
@@ -239,6 +240,7 @@ async def test_call_to_a_restarting_actor_waits_for_the_new_incarnation() -> Non
         async with anyio.create_task_group() as tg:
             tg.start_soon(call)
             tg.start_soon(call)
+            await wait_until(lambda: clock.sleepers == 1)
             await anyio.sleep(0.01)
             assert answers == []  # both wait
             clock.advance(10.0)
@@ -296,7 +298,7 @@ async def test_mailbox_capacity() -> None:
 
 async def test_a_cancelled_waiting_sender_passes_its_wake_up_on() -> None:
     """Two slots free up while the first waiting sender has not run yet, and that sender is
-    then cancelled: the second waiting sender must still get in (no lost wake-up)."""
+    cancelled meanwhile: the second waiting sender still gets in (no lost wake-up)."""
     async with open_supervisor([ChildSpec("c", Small)]) as sup:
         ref = await sup.child("c")
         await ref.tell("block")
@@ -337,9 +339,11 @@ async def test_statistics() -> None:
         await ref.tell(Add(1))
         await ref.ask(Add(1))
         assert ref.statistics().messages_received == 2
+        monitor = ref.monitor()
         with pytest.raises(ActorCrashed):
             await ref.ask(object())
-        await wait_until(lambda: ref.is_running)
+        await monitor.wait()
+        await sup.count_children()
         stats = ref.statistics()
         assert (stats.incarnation, stats.restarts, stats.messages_received) == (2, 1, 0)
         with pytest.raises(attrs.exceptions.FrozenInstanceError):

@@ -21,6 +21,10 @@ from protocols.engine import (
 # The KV pages live on the host unless ACTORSERVE_MOCK_DEVICE says otherwise (a GPU host runs
 # the same tests with ``cuda``).
 DEVICE = os.environ.get("ACTORSERVE_MOCK_DEVICE", "cpu")
+if DEVICE == "cuda":
+    import torch
+
+    torch.cuda.init()  # before any test: the CUDA runtime keeps a socket of its own
 INSTANT = TimingModel(instant=True)
 FAST = TimingModel(speedup=200.0)  # real (simulated) time, but fast
 

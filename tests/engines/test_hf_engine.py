@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -40,12 +41,16 @@ from protocols.engine import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
+    Usage,
 )
 from protocols.errors import ContextLengthExceeded, EngineShutdown, InvalidRequest
 
-# Two threads: these machines have two cores (shared), and torch's thread count is per process.
-THREADS = 2
-MAX_TOKENS = 12
+# One torch thread: on two shared cores a second OpenMP thread that gets preempted stalls every
+# matrix product at its barrier (measured: batched linears 5-20x slower); torch threads are per
+# process, so the reference model runs with the same count.
+THREADS = 1
+MAX_TOKENS = 10
+SHORT = 6  # for tests that need a few tokens, not a full answer
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -96,7 +101,7 @@ def ref() -> Iterator[Reference]:
 
 
 def config(**kw: Any) -> HFEngineConfig:
-    return HFEngineConfig(num_threads=THREADS, kv_cache_tokens=1024, **kw)
+    return HFEngineConfig(**{"num_threads": THREADS, "kv_cache_tokens": 1024, **kw})
 
 
 @asynccontextmanager
@@ -272,17 +277,16 @@ async def test_seeded_sampling_is_reproducible(ref: Reference) -> None:
 
         async def run(rid: str, seed: int) -> None:
             runs[rid] = (
-                await collect(engine.generate(req(rid, prompt, temperature=1.0, seed=seed)))
+                await collect(engine.generate(req(rid, prompt, SHORT, temperature=1.0, seed=seed)))
             )[0]
 
-        async with anyio.create_task_group() as tg:  # same seed, different batch company
+        async with anyio.create_task_group() as tg:
             tg.start_soon(run, "a", 7)
             tg.start_soon(run, "b", 7)
             tg.start_soon(run, "c", 8)
-            tg.start_soon(run, "d", 9)
-        alone = (await collect(engine.generate(req("e", prompt, temperature=1.0, seed=7))))[0]
-        assert runs["a"] == runs["b"] == alone
-        assert runs["c"] != runs["a"] or runs["d"] != runs["a"]
+        await run("alone", 7)  # same seed, other batch company
+        assert runs["a"] == runs["b"] == runs["alone"]
+        assert runs["c"] != runs["a"]
 
 
 async def test_stop_conditions(ref: Reference) -> None:
@@ -291,11 +295,10 @@ async def test_stop_conditions(ref: Reference) -> None:
         assert greedy[-1] == EOS and len(greedy) < MAX_TOKENS  # "The capital of France is Paris."
         n = len(greedy)
         cases = {
-            "eos": req("eos", prompt),
-            "max": req("max", prompt, 4),
-            "ignore_eos": req("ignore_eos", prompt, n + 2, ignore_eos=True),
+            "max": req("max", prompt, 4),  # (EOS itself: the greedy test, prompt 0)
+            "ignore_eos": req("ignore_eos", prompt, n + 1, ignore_eos=True),
             "stop_id": req("stop_id", prompt, stop_token_ids=[greedy[2]]),
-            "min_tokens": req("min_tokens", prompt, n + 3, min_tokens=n + 2),
+            "min_tokens": req("min_tokens", prompt, n + 1, min_tokens=n + 1),
             "request_eos": msgspec.structs.replace(
                 req("request_eos", prompt), eos_token_ids=[greedy[1]]
             ),
@@ -313,16 +316,14 @@ async def test_stop_conditions(ref: Reference) -> None:
             assert got[name][0] == tokens, name
             assert got[name][1].finish_reason == reason, name
 
-        check("eos", greedy, "stop")
         check("max", greedy[:4], "length")
         check("stop_id", greedy[:3], "stop")
         check("request_eos", greedy[:2], "stop")
         ignored = got["ignore_eos"][0]
-        assert ignored[:n] == greedy and len(ignored) == n + 2
+        assert ignored[:n] == greedy and len(ignored) == n + 1
         assert got["ignore_eos"][1].finish_reason == "length"
-        early = got["min_tokens"][0]
-        assert early[: n - 1] == greedy[:-1] and EOS not in early[: n + 1]
-        assert len(early) >= n + 2
+        early = got["min_tokens"][0]  # EOS is banned until the (n + 1)th token
+        assert early[: n - 1] == greedy[:-1] and EOS not in early[:n] and len(early) == n + 1
 
 
 async def test_health_payload_and_validation(ref: Reference) -> None:
@@ -336,6 +337,28 @@ async def test_health_payload_and_validation(ref: Reference) -> None:
         with pytest.raises(InvalidRequest):
             await collect(engine.generate(req("vocab", [10**7])))
         assert await engine.flush_cache()
+
+
+async def test_chunked_prefill_and_preemption_keep_greedy_output(ref: Reference) -> None:
+    # 8-token pages, 9 of them, 16 tokens per forward pass: prompts prefill in chunks (the masked
+    # path), both requests fit at first, then the first one's next page forces the second out
+    # (its KV dropped); it comes back later and recomputes prompt + output.
+    prompts = [ref.prompts[3], ref.prompts[2]]
+    assert [len(p) // 8 for p in prompts] == [3, 4]  # 4 and 5 pages: all 9 at first
+    async with started(block_size=8, kv_cache_tokens=72, max_batch_tokens=16) as engine:
+        got: dict[int, list[int]] = {}
+
+        async def run(i: int) -> None:
+            got[i] = (await collect(engine.generate(req(f"c{i}", prompts[i], SHORT))))[0]
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 0)
+            await wait_until(lambda: engine.statistics().running == 1)
+            tg.start_soon(run, 1)
+        assert got == {0: ref.greedy[3][:SHORT], 1: ref.greedy[2][:SHORT]}
+        stats = engine.statistics()
+        assert stats.kv_pages_free == stats.kv_pages_total == 9
+        assert stats.preemptions >= 1 and stats.steps > 2 * SHORT  # chunks + a recompute
 
 
 # ---- abort --------------------------------------------------------------------------------------
@@ -375,7 +398,8 @@ async def test_abort_mid_stream_frees_the_request(ref: Reference) -> None:
         async with aclosing(engine.generate(req("closed", ref.prompts[1]))) as it:
             async for _ in it:
                 break
-        await wait_until(engine.is_quiescent)
+        with anyio.fail_after(20):
+            await engine.wait_quiescent()
         stats = engine.statistics()
         assert stats.running == stats.waiting == 0 and stats.kv_pages_free == stats.kv_pages_total
 
@@ -385,7 +409,7 @@ async def test_abort_mid_stream_frees_the_request(ref: Reference) -> None:
 async def test_pause_and_continue(ref: Reference, mode: PauseMode) -> None:
     async with started() as engine:
         tokens: list[int] = []
-        async with aclosing(engine.generate(req("p", ref.prompts[1]))) as it:
+        async with aclosing(engine.generate(req("p", ref.prompts[1], SHORT))) as it:
             async for out in it:
                 tokens.extend(out.token_ids)
                 if len(tokens) == 3:
@@ -396,7 +420,7 @@ async def test_pause_and_continue(ref: Reference, mode: PauseMode) -> None:
                     await anyio.sleep(0.3)
                     assert engine.statistics().tokens_generated == stats.tokens_generated
                     await engine.continue_generation()
-        assert tokens == ref.greedy[1]
+        assert tokens == ref.greedy[1][:SHORT]
 
 
 async def test_pause_abort_cancels_running(ref: Reference) -> None:
@@ -410,13 +434,15 @@ async def test_pause_abort_cancels_running(ref: Reference) -> None:
                 last = out
         assert last.finish_reason == "cancelled" and engine.is_quiescent()
         await engine.continue_generation()
-        assert (await collect(engine.generate(req("after", ref.prompts[3]))))[0] == ref.greedy[3]
+        after = (await collect(engine.generate(req("after", ref.prompts[3], SHORT))))[0]
+        assert after == ref.greedy[3][:SHORT]
 
 
 # ---- memory -------------------------------------------------------------------------------------
 async def test_release_and_resume_memory(ref: Reference) -> None:
     async with started() as engine:
-        assert (await collect(engine.generate(req("warm", ref.prompts[3]))))[0] == ref.greedy[3]
+        warm = (await collect(engine.generate(req("warm", ref.prompts[3], 2))))[0]
+        assert warm == ref.greedy[3][:2]
         me = psutil.Process()
         before = me.memory_info().rss
         await engine.pause(PauseMode.IN_PLACE)
@@ -429,15 +455,15 @@ async def test_release_and_resume_memory(ref: Reference) -> None:
         got: list[list[int]] = []
 
         async def run() -> None:
-            got.append((await collect(engine.generate(req("queued", ref.prompts[3]))))[0])
+            got.append((await collect(engine.generate(req("queued", ref.prompts[3], SHORT))))[0])
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)  # queues while memory is released
             await wait_until(lambda: engine.statistics().waiting == 1)
             await anyio.sleep(0.2)
-            assert not got and engine.statistics().tokens_generated == len(ref.greedy[3])
+            assert not got and engine.statistics().tokens_generated == 2
             await engine.resume_memory([MemoryTag.WEIGHTS, MemoryTag.KV_CACHE])
-        assert got == [ref.greedy[3]]
+        assert got == [ref.greedy[3][:SHORT]]
         assert engine.statistics().released == frozenset()
 
 
@@ -453,6 +479,7 @@ async def test_cleanup_fails_running_and_is_idempotent(ref: Reference) -> None:
         assert len(tokens) >= 1
         await engine.cleanup()
         assert engine.is_quiescent()
+        assert not [t for t in threading.enumerate() if t.name == "hf-engine-step"]
         with pytest.raises(EngineShutdown):
             await collect(engine.generate(req("late", ref.prompts[0])))
 
@@ -492,9 +519,14 @@ async def test_prefill_export_then_decode_import_matches_aggregated(ref: Referen
         tokens, last = await collect(stream)
         assert tokens == ref.greedy[0]
         assert last.usage is not None and last.usage.completion_tokens == len(tokens)
+        # A first token that already ends the request: no step runs at all.
+        one = decode.generate_from_kv(req("d1", prompt, 1), region, kv.first_token, ids)
+        usage = Usage(prompt_tokens=len(prompt), completion_tokens=1, cached_tokens=0)
+        final = EngineOutput(token_ids=[kv.first_token], finish_reason="length", usage=usage)
+        assert await collect(one) == ([kv.first_token], final)
 
         # Seeded sampling continues exactly as aggregated: draws depend on (seed, position).
-        sampled = req("s", ref.prompts[1], temperature=1.0, seed=3)
+        sampled = req("s", ref.prompts[1], SHORT, temperature=1.0, seed=3)
         aggregated = (await collect(prefill.generate(sampled)))[0]
         kv = await prefill.prefill(sampled)
         disagg = (await collect(decode.generate_from_kv(sampled, kv.pages, kv.first_token)))[0]

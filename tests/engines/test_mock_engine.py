@@ -184,7 +184,7 @@ async def test_dropping_an_unfinished_stream_aborts_it() -> None:
 async def test_pause_abort_cancels_everything_in_flight() -> None:
     async with MockEngine(config(timing=FAST)) as engine:
         streams = [
-            engine.generate(request(f"r{i}", [i, *PROMPT], max_tokens=400)) for i in range(4)
+            engine.generate(request(f"r{i}", [i, *PROMPT], max_tokens=10_000)) for i in range(4)
         ]
         await anyio.sleep(0.02)
         await engine.pause(PauseMode.ABORT)
@@ -201,9 +201,9 @@ async def test_pause_abort_cancels_everything_in_flight() -> None:
 
 
 async def test_pause_retract_requeues_and_resumes_exactly() -> None:
-    async with MockEngine(config()) as engine:
-        expected, _ = await run(engine, request("ref", PROMPT, max_tokens=60))
-        stream = engine.generate(request("r", PROMPT, max_tokens=60))
+    async with MockEngine(config(timing=FAST)) as engine:
+        expected, _ = await run(engine, request("ref", PROMPT, max_tokens=300))
+        stream = engine.generate(request("r", PROMPT, max_tokens=300))
         first = await stream.__anext__()
         await engine.pause(PauseMode.RETRACT)
         assert engine.phase_of("r") == "waiting"
@@ -218,8 +218,8 @@ async def test_pause_retract_requeues_and_resumes_exactly() -> None:
 
 async def test_pause_in_place_keeps_kv_and_continues() -> None:
     async with MockEngine(config(timing=FAST)) as engine:
-        expected, _ = await run(engine, request("ref", PROMPT, max_tokens=40))
-        stream = engine.generate(request("r", PROMPT, max_tokens=40))
+        expected, _ = await run(engine, request("ref", PROMPT, max_tokens=300))
+        stream = engine.generate(request("r", PROMPT, max_tokens=300))
         got = list((await stream.__anext__()).token_ids)
         await engine.pause(PauseMode.IN_PLACE)
         used = engine.statistics().used_blocks
@@ -275,14 +275,12 @@ async def test_flush_cache_only_when_idle() -> None:
     async with MockEngine(config()) as engine:
         await run(engine, request("a", PROMPT))
         assert engine.statistics().ranks[0].pool.cached > 0
-        await engine.pause(PauseMode.IN_PLACE)
-        stream = engine.generate(request("b", PROMPT))
-        await engine.continue_generation()
+        stream = engine.generate(request("b", PROMPT, max_tokens=10_000))
         await stream.__anext__()
         await engine.pause(PauseMode.IN_PLACE)
         assert not await engine.flush_cache()  # a request holds KV
+        await stream.aclose()
         await engine.continue_generation()
-        await collect(stream)
         assert await engine.flush_cache()
         assert engine.statistics().ranks[0].pool.cached == 0
 

@@ -112,6 +112,7 @@ async def _disaggregated(
         dst[d] = src[s]  # what a NIXL WRITE does
     if corrupt:
         dst[target.block_ids[2], 3] ^= 1
+    assert decode.verify_pages(target.block_ids, PROMPT) == ([2] if corrupt else [])
     verified = decode.complete_transfer(rid)
     assert verified is not corrupt
     async with anyio.create_task_group() as tg:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
 import anyio
 import msgspec
 import pytest
@@ -22,7 +26,9 @@ from actors.engines import (
     replay_kv_events,
 )
 from protocols.engine import MemoryTag, PauseMode
-from tests.engines._mock_helpers import config, eventually, request, run
+from tests.engines._mock_helpers import FAST, config, eventually, request, run
+
+T = TypeVar("T")
 
 
 class PoolView:
@@ -50,10 +56,24 @@ class PoolView:
 
 
 async def drain(sub: KvEventSubscriber, view: PoolView, last_seq: int) -> None:
+    """Apply every batch up to ``last_seq``: a SUB socket misses what was published before its
+    subscription reached the publisher, so catch up through the replay socket first."""
     with anyio.fail_after(5):
+        for _, batch in await sub.catch_up():
+            view.apply(batch)
         while sub.next_seq is None or sub.next_seq <= last_seq:
             for _, batch in await sub.receive():
                 view.apply(batch)
+
+
+async def first_live(engine: MockEngine, receive: Callable[[], Awaitable[T]], tag: str) -> T:
+    """Publish (requests with fresh prompts) until ``receive`` gets something: ZMQ's slow
+    joiner, a SUB socket sees only what is published after its subscription arrived."""
+    for i in range(50):
+        await run(engine, request(f"{tag}{i}", [1000 + i, *range(40)]))
+        with anyio.move_on_after(0.2):
+            return await receive()
+    raise AssertionError("the subscription never went live")
 
 
 async def test_kv_events_rebuild_the_pool_view() -> None:
@@ -88,10 +108,7 @@ async def test_wire_format_is_sglangs() -> None:
         try:
             sock.socket.setsockopt(zmq.SUBSCRIBE, b"")
             sock.connect(engine.capacity.kv_events_endpoints[0])
-            await anyio.sleep(0.05)  # let the subscription reach the publisher
-            await run(engine, request("a", list(range(40))))
-            with anyio.fail_after(5):
-                topic, seq, payload = await sock.recv_multipart()
+            topic, seq, payload = await first_live(engine, sock.recv_multipart, "w")
         finally:
             sock.close()
         assert topic == b"kv" and len(seq) == 8 and int.from_bytes(seq, "big") >= 0
@@ -99,11 +116,14 @@ async def test_wire_format_is_sglangs() -> None:
         ts, events, rank = raw
         assert isinstance(ts, float) and rank == 0
         tag, hashes, parent, token_ids, block_size, lora_id, medium = events[0]
-        assert tag == "BlockStored" and parent is None and lora_id is None and medium == "GPU"
-        # Chained stores are coalesced into one event, as SGLang's recorder does.
-        assert token_ids == list(range(32)) and block_size == 16
-        first = page_hash(None, list(range(16)))
-        assert hashes == [first, page_hash(first, list(range(16, 32)))]
+        assert tag == "BlockStored" and lora_id is None and medium == "GPU" and block_size == 16
+        # Chained pages are coalesced into one event (as SGLang's recorder does), each hash
+        # chaining its parent's and its own tokens.
+        assert len(token_ids) == 16 * len(hashes)
+        chain = parent
+        for k, h in enumerate(hashes):
+            chain = page_hash(chain, token_ids[16 * k : 16 * (k + 1)])
+            assert h == chain
         # An older SGLang batch (no medium, no rank) decodes as well.
         old = msgspec.msgpack.encode([1.0, [["BlockRemoved", [5]], ["AllBlocksCleared"]]])
         batch = decode_kv_event_batch(old)
@@ -124,8 +144,9 @@ async def test_a_late_subscriber_recovers_missed_batches_through_replay() -> Non
             cap.kv_events_endpoints[0], cap.kv_events_replay_endpoints[0], start_seq=0
         ) as sub:
             view = PoolView()
-            await anyio.sleep(0.05)
-            await run(engine, request("late", [9, *range(40)]))
+            # The first live batch reveals the gap, and the replay fills it.
+            for _, batch in await first_live(engine, sub.receive, "late"):
+                view.apply(batch)
             await drain(sub, view, engine.kv_events_last_seq())
             stats = sub.statistics()
             assert stats.replayed >= last + 1 and stats.missed == 0
@@ -138,10 +159,8 @@ async def test_a_dropped_batch_is_replayed_in_order() -> None:
         async with KvEventSubscriber(
             cap.kv_events_endpoints[0], cap.kv_events_replay_endpoints[0]
         ) as sub:
-            await anyio.sleep(0.05)
-            await run(engine, request("a", [1, *range(40)]))
-            got = await sub.receive()
-            first = got[0][0]
+            got = await first_live(engine, sub.receive, "w")
+            first = got[-1][0]
             # Simulate a lost message: skip one batch on the wire.
             await run(engine, request("b", [2, *range(40)]))
             assert sub._sock is not None
@@ -152,7 +171,7 @@ async def test_a_dropped_batch_is_replayed_in_order() -> None:
             with anyio.fail_after(5):
                 batches = await sub.receive()
             assert [seq for seq, _ in batches] == [first + 1, first + 2]
-            assert sub.statistics().replayed == 1
+            assert sub.statistics().replayed >= 1
 
 
 async def test_catch_up_without_live_traffic() -> None:
@@ -184,7 +203,7 @@ async def test_kv_release_publishes_all_cleared() -> None:
 
 
 async def test_metrics_report_the_scheduler_state() -> None:
-    cfg = config(dp_size=2, metrics_heartbeat_s=0.02, metrics_interval_s=0.0)
+    cfg = config(dp_size=2, metrics_heartbeat_s=0.02, metrics_interval_s=0.0, timing=FAST)
     async with MockEngine(cfg) as engine:
         endpoint = engine.capacity.metrics_endpoint
         assert endpoint is not None
@@ -214,3 +233,29 @@ async def test_metrics_report_the_scheduler_state() -> None:
             assert idle.request_active_slots == idle.kv_active_blocks == 0
             for s in streams:
                 await s.aclose()
+
+
+async def test_ipc_endpoints_per_rank(tmp_path: Path) -> None:
+    base = f"ipc://{tmp_path}/kv"
+    cfg = config(
+        dp_size=2,
+        kv_events_endpoint=base,
+        kv_events_replay_endpoint=f"ipc://{tmp_path}/replay",
+        metrics_endpoint=f"ipc://{tmp_path}/metrics",
+    )
+    async with MockEngine(cfg) as engine:
+        cap = engine.capacity
+        assert cap.kv_events_endpoints == (base, f"{base}_dp1")
+        await run(engine, request("a", list(range(40)), dp_rank=1))
+        replayed = await replay_kv_events(cap.kv_events_replay_endpoints[1], 0)
+        assert replayed and all(b.attn_dp_rank == 1 for _, b in replayed)
+
+
+async def test_a_start_that_fails_leaves_nothing_behind() -> None:
+    async with MockEngine(config()) as first:
+        taken = first.capacity.kv_events_endpoints[0]
+        async with anyio.create_task_group() as tg:
+            second = MockEngine(config(kv_events_endpoint=taken), task_group=tg)
+            with pytest.raises(zmq.ZMQError):
+                await second.start()
+        assert second.cleanup_runs == 1

@@ -78,5 +78,7 @@ async def peer_stats(proc: PeerProcess) -> dict[str, dict[str, Any]]:
 async def eventually(check: Any, timeout: float = 10.0) -> None:
     """Wait until ``check()`` is true (polling: the state lives in another process)."""
     with anyio.fail_after(timeout):
-        while not await check():
+        while True:
+            if await check():
+                return
             await anyio.sleep(0.02)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
-from actors.kv import KVConfig, new_room
+from actors.kv import KVConfig, RoomState, new_room
 from actors.kv._bootstrap import pack_pages
 from actors.kv._peer import (
     Connect,
@@ -134,7 +138,7 @@ async def test_cancelled_receive_releases_pages_and_tells_prefill(ipc_dir: str) 
                 tg.start_soon(kv.receive, bootstrap_for(ready, room), alloc)
 
                 async def requested() -> bool:
-                    return (await peer_stats(proc))["kv"]["requested_rooms"] == 1
+                    return bool((await peer_stats(proc))["kv"]["requested_rooms"] == 1)
 
                 await eventually(requested)
                 tg.cancel_scope.cancel()  # the decode request is cancelled mid hand-off
@@ -157,26 +161,27 @@ async def test_prefill_killed_then_restarted_on_same_address(ipc_dir: str) -> No
                 room = new_room()
                 await proc.call(Prefill(room=room, num_pages=32, seed=6, hold=True))
                 alloc = kv.pool.alloc(32)
-                errors: list[BaseException] = []
+                errors: list[KVTransferError] = []
+                failed = anyio.Event()
 
                 async def receive() -> None:
                     try:
                         await kv.receive(bootstrap_for(ready, room), alloc)
                     except KVTransferError as exc:
                         errors.append(exc)
+                        failed.set()
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(receive)
 
                     async def requested() -> bool:
-                        return (await peer_stats(proc))["kv"]["requested_rooms"] == 1
+                        return bool((await peer_stats(proc))["kv"]["requested_rooms"] == 1)
 
                     await eventually(requested)
                     proc.kill()
                     # A bounded, typed, migratable failure: the heartbeat notices the death.
                     with anyio.fail_after(PEER_TIMEOUT * 4):
-                        while not errors:
-                            await anyio.sleep(0.02)
+                        await failed.wait()
                 assert errors[0].migratable and "lost" in str(errors[0])
                 assert alloc.freed and kv.pool.statistics().pages_in_use == 0
 
@@ -203,8 +208,9 @@ async def _receive_in_child(
 
 
 async def test_decode_killed_mid_transfer_prefill_frees_pages(ipc_dir: str) -> None:
-    with anyio.fail_after(30):
+    with anyio.fail_after(40):
         async with local_prefill() as kv:
+            # 1. Decode sent its page list, then died: the WRITE fails at once (peer gone).
             async with peer("decode", ipc_dir) as (proc, _):
                 await proc.call(Connect(endpoint=kv.endpoint))
                 room = kv.open_room()
@@ -214,13 +220,46 @@ async def test_decode_killed_mid_transfer_prefill_frees_pages(ipc_dir: str) -> N
                     tg.start_soon(_receive_in_child, proc, kv.endpoint, room.room, 64, 8, [])
                     await room.wait_requested(10)
                     proc.kill()
+                    await proc.process.wait()  # really gone (SIGKILL is asynchronous)
                     with pytest.raises(KVTransferError):
                         await room.send(alloc)
                     tg.cancel_scope.cancel()
                 alloc.free()
                 room.close()
+
+            # 2. Decode is stopped, the WRITE posted, then decode is SIGKILLed. With CMA the copy
+            # may even finish without the target (the race is real): either way the room ends
+            # terminal, nothing leaks, and the dead peer is reaped.
+            async with peer("decode", ipc_dir, name="ctl2") as (proc, _):
+                await proc.call(Connect(endpoint=kv.endpoint))
+                room = kv.open_room()
+                alloc = kv.pool.alloc(256)
+                fill_pattern(kv.pool, alloc.pages, 9)
+                ended = anyio.Event()
+
+                async def send() -> None:
+                    try:
+                        await room.send(alloc)
+                    except KVTransferError:
+                        pass
+                    finally:
+                        ended.set()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_receive_in_child, proc, kv.endpoint, room.room, 256, 9, [])
+                    await room.wait_requested(10)
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    tg.start_soon(send)
+                    await anyio.lowlevel.checkpoint()  # the WRITE is posted (or already failed)
+                    proc.kill()
+                    await ended.wait()
+                    tg.cancel_scope.cancel()
+                assert room.state in (RoomState.DONE, RoomState.FAILED)
+                alloc.free()
+                room.close()
             assert await kv.wait_transfers_done(5.0)
             assert kv.pool.statistics().pages_in_use == 0
+            assert kv.statistics().rooms_failed >= 1
 
             async def reaped() -> bool:
                 return kv.statistics().peers == 0 and kv.agent.statistics().remote_agents == 0
@@ -272,5 +311,7 @@ async def test_decode_restarted_on_same_worker_id_and_agent_name(ipc_dir: str) -
                 return kv.statistics().peers == 0 and kv.agent.statistics().remote_agents == 0
 
             await eventually(gone)
-            assert kv.agent.statistics().xfers_live == 0
-            assert kv.agent.statistics().registrations == 2  # the pool and the probe scratch
+            stats = kv.agent.statistics()
+            assert stats.xfers_live == 0
+            assert stats.registrations == 2  # the pool and the probe scratch
+            assert stats.dlists_live == 1  # the local pool's prepared page list; peers' are gone

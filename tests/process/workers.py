@@ -15,6 +15,8 @@ class Echo(Actor):
     def __init__(self, greeting: str = "hello") -> None:
         self.greeting = greeting
         self.told: list[Any] = []
+        self.aborted = 0
+        self.stream_closed = 0
 
     async def receive(self, message: Any) -> Any:
         match message:
@@ -25,8 +27,16 @@ class Echo(Actor):
             case "told":
                 return self.told
             case ("sleep", seconds):
-                await anyio.sleep(seconds)
+                try:
+                    await anyio.sleep(seconds)
+                except anyio.get_cancelled_exc_class():
+                    self.aborted += 1
+                    raise
                 return "slept"
+            case "aborted":
+                return self.aborted
+            case "stream_closed":
+                return self.stream_closed
             case "reply-error":
                 raise ReplyError("no such thing")
             case "crash":
@@ -52,10 +62,13 @@ class Echo(Actor):
                     yield chunk
             case ("forever",):
                 i = 0
-                while True:
-                    yield i
-                    i += 1
-                    await anyio.sleep(0.001)
+                try:
+                    while True:
+                        yield i
+                        i += 1
+                        await anyio.sleep(0.001)
+                finally:
+                    self.stream_closed += 1
             case ("fail-after", n):
                 for i in range(n):
                     yield i
@@ -72,3 +85,21 @@ class FailsToStart(Actor):
 class ExitsDuringStart(Actor):
     async def started(self) -> None:
         os._exit(7)
+
+
+class FlakyStart(Actor):
+    """Fails its first ``failures`` starts (counted in a file, across processes)."""
+
+    def __init__(self, counter_path: str, failures: int) -> None:
+        self.counter_path = counter_path
+        self.failures = failures
+
+    async def started(self) -> None:
+        path = anyio.Path(self.counter_path)
+        count = int(await path.read_text()) if await path.exists() else 0
+        await path.write_text(str(count + 1))
+        if count < self.failures:
+            raise RuntimeError(f"start attempt {count + 1} fails")
+
+    async def receive(self, message: Any) -> Any:
+        return os.getpid() if message == "pid" else message

@@ -6,9 +6,10 @@ folder); the KV page layout for disaggregation (:class:`KVLayout`, :func:`pages_
 ``HFEngine.prefill`` / ``HFEngine.generate_from_kv``).
 """
 
-from ._engine import HFEngine, HFEngineConfig, HFEngineStatistics, PrefilledKV
+from ._engine import HFEngine
 from ._kv import KVBuffer, KVLayout, pages_needed
 from ._model import ModelFiles, ModelPackageMissing, default_cache_dir, find_smollm2
+from ._types import HFEngineConfig, HFEngineStatistics, PrefilledKV
 
 __all__ = [
     "HFEngine",

@@ -92,6 +92,7 @@ class BatchCore:
         self.paused = False
         self.steps = 0
         self.tokens_generated = 0
+        self.preemptions = 0  # running requests retracted for lack of KV pages
 
     # ---- commands ------------------------------------------------------------------------
     def submit(self, seq: Seq) -> list[Delivery]:
@@ -126,13 +127,12 @@ class BatchCore:
 
     def retract_all(self) -> None:
         """Free every running request's KV; they wait at the front of the queue, in order."""
-        for seq in reversed(self.running):
+        for seq in reversed(list(self.running)):
             self._retract(seq)
 
     def shutdown(self) -> list[Delivery]:
         """Fail everything with :class:`EngineShutdown` (migratable) and free all pages."""
-        err = EngineShutdown("the engine shut down during generation")
-        return [self._drop(seq, err) for seq in [*self.running, *self.waiting]]
+        return self.fail_all(EngineShutdown("the engine shut down during generation"))
 
     @property
     def can_step(self) -> bool:
@@ -159,18 +159,27 @@ class BatchCore:
             seq.n_cached += n_in
         for row, seq in enumerate(samplers):
             banned = seq.stop_ids if len(seq.output) + 1 < seq.min_tokens else frozenset()
-            token = sample(
-                logits[row],
-                seq.params,
-                prompt=seq.prompt,
-                output=seq.output,
-                banned=sorted(banned),
-                generator=seq.generator,
-            )
+            try:
+                token = sample(
+                    logits[row],
+                    seq.params,
+                    prompt=seq.prompt,
+                    output=seq.output,
+                    banned=sorted(banned),
+                    generator=seq.generator,
+                )
+            except Exception as exc:  # e.g. parameters that leave nothing to draw from
+                err = EngineFailure(f"sampling failed: {type(exc).__name__}: {exc}")
+                out.append(self._drop(seq, err))
+                continue
             seq.output.append(token)
             self.tokens_generated += 1
             out.append(self._after_token(seq, token))
         return out
+
+    def fail_all(self, err: RequestError) -> list[Delivery]:
+        """End every request with ``err`` (the step loop met an unexpected error)."""
+        return [self._drop(seq, err) for seq in [*self.running, *self.waiting]]
 
     def _schedule(self, out: list[Delivery]) -> list[tuple[Seq, int]]:
         budget = self.max_batch_tokens
@@ -215,6 +224,7 @@ class BatchCore:
                 return False
             victim = self.running[-1]
             self._retract(victim)
+            self.preemptions += 1
             if victim is seq:
                 return False
         if need > 0:

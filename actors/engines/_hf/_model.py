@@ -128,7 +128,9 @@ def load_model(folder: Path, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     # transformers' stubs are partial; the model is handled as Any on purpose.
-    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, local_files_only=True
+    )
     model.eval()
     model.requires_grad_(False)
     return model.to(device)
@@ -144,8 +146,11 @@ def _convert(files: ModelFiles) -> None:
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by users of the host
     try:
         src, name = str(files.gguf_path.parent), files.gguf_path.name
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-        model: Any = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        # local_files_only: never a download at run time, whatever the environment says.
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            src, gguf_file=name, dtype=torch.float32, local_files_only=True
+        )
         # The GGUF weights are already dequantised to fp32 tensors; only the quantizer's marker
         # stops save_pretrained, so drop it and save a plain fp32 checkpoint.
         model.hf_quantizer = None

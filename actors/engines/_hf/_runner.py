@@ -23,6 +23,8 @@ from typing import Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
+from protocols.errors import EngineFailure
+
 from ._batch import BatchCore, Delivery
 
 __all__ = ["Command", "Reply", "StepRunner"]
@@ -76,7 +78,6 @@ class StepRunner:
         self._stopping = False
         self._ready: Reply[None] = Reply()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._core: BatchCore | None = None
 
     async def start(self) -> None:
         """Start the thread and wait for ``init`` (raising what it raised)."""
@@ -108,12 +109,14 @@ class StepRunner:
     # ---- the thread ------------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self._core = self._init()
+            core = self._init()
         except BaseException as exc:
             self._send([], [(self._ready, None, exc)])
             return
         self._send([], [(self._ready, None, None)])
-        core = self._core
+        self._serve(core)
+
+    def _serve(self, core: BatchCore) -> None:
         while True:
             with self._cv:
                 while not self._inbox and not self._stopping and not core.can_step:
@@ -133,7 +136,11 @@ class StepRunner:
                 if reply is not None:
                     replies.append((reply, result, None))
             if not stopping and core.can_step:
-                deliveries.extend(core.step())
+                try:
+                    deliveries.extend(core.step())
+                except Exception as exc:  # a bug, not a request's fault: nobody may hang on it
+                    err = EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}")
+                    deliveries.extend(core.fail_all(err))
             if self._on_idle is not None:
                 self._on_idle(core)
             if deliveries or replies:
@@ -152,6 +159,8 @@ class StepRunner:
             for reply, value, error in replies:
                 reply.resolve(value, error)
 
+        # EventLoopToken.backend_class.run_sync_soon: anyio's non-blocking, thread-safe call
+        # into the loop (asyncio call_soon_threadsafe / trio TrioToken.run_sync_soon).
         try:
             self._token.backend_class.run_sync_soon(on_loop, (), self._token.native_token)
         except Exception:  # the event loop is gone: nobody is left to read the results

@@ -60,8 +60,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 or top-k 1: argmax, exactly like ``generate(do_sample=False)``."""
-        return self.temperature <= 0.0 or self.top_k == 1
+        """Temperature ~0 or top-k 1: argmax, exactly like ``generate(do_sample=False)``."""
+        # Below 1e-5 the scaled logits overflow fp32; the distribution is one-hot anyway.
+        return self.temperature <= 1e-5 or self.top_k == 1
 
     @property
     def penalised(self) -> bool:

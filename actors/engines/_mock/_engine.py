@@ -13,6 +13,7 @@ from types import TracebackType
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
 from actors.engines._mock._config import FAKE_BOOTSTRAP_HOST, MockEngineConfig, offset_endpoint
 from actors.engines._mock._kvmem import (
@@ -70,7 +71,7 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         self._quiet_waiters: list[anyio.Event] = []
         self._released: set[MemoryTag] = set()
         self._capacity: Capacity | None = None
-        self._state = "new"  # new -> running -> closed
+        self._state = "new"  # new -> starting -> running -> closed
         self._scopes: list[anyio.CancelScope] = []
         self._tasks_left = 0
         self._tasks_done: anyio.Event | None = None
@@ -112,19 +113,19 @@ class MockEngine(TransferMixin, IntrospectionMixin):
             raise RuntimeError(f"MockEngine.start: engine is {self._state}")
         if self._tg is None:
             raise RuntimeError("MockEngine needs task_group=... or 'async with MockEngine(...)'")
-        self._state = "running"
+        self._state = "starting"
         cfg = self.config
         try:
             self._device = resolve_device(cfg.device)
-            self._weights = HostOrDeviceBuffer(cfg.weights_bytes, self._device)
-            self._weights.fill_pattern(cfg.default_seed)
-            self._graphs = HostOrDeviceBuffer(cfg.cuda_graph_bytes, self._device)
+            self._memories = [
+                KvPageMemory(rank, cfg.num_blocks, cfg.kv_bytes_per_block, self._device)
+                for rank in range(cfg.dp_size)
+            ]
+            # Committing (and filling) GBs takes a while: keep it off the event loop.
+            await anyio.to_thread.run_sync(self._allocate, set(MemoryTag))
             if cfg.metrics_endpoint is not None:
                 self._metrics_pub = MetricsPublisher(cfg.metrics_endpoint)
-            for rank in range(cfg.dp_size):
-                memory = KvPageMemory(rank, cfg.num_blocks, cfg.kv_bytes_per_block, self._device)
-                memory.allocate()
-                self._memories.append(memory)
+            for rank, memory in enumerate(self._memories):
                 events = None
                 if cfg.kv_events_endpoint is not None:
                     replay = cfg.kv_events_replay_endpoint
@@ -148,6 +149,7 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         except BaseException:
             await self.cleanup()
             raise
+        self._state = "running"
         self._capacity = Capacity(
             total_kv_blocks=cfg.num_blocks,
             block_size=cfg.block_size,
@@ -338,17 +340,22 @@ class MockEngine(TransferMixin, IntrospectionMixin):
     async def resume_memory(self, tags: Sequence[MemoryTag]) -> None:
         """Re-allocate the memory of ``tags``; resuming a tag that is not released is a no-op."""
         todo = set(tags) & self._released
-        cfg = self.config
-        if MemoryTag.KV_CACHE in todo:
-            for memory in self._memories:
-                memory.allocate()
-        if MemoryTag.WEIGHTS in todo:
-            self._weights = HostOrDeviceBuffer(cfg.weights_bytes, self._device)
-            self._weights.fill_pattern(cfg.default_seed)
-        if MemoryTag.CUDA_GRAPH in todo:
-            self._graphs = HostOrDeviceBuffer(cfg.cuda_graph_bytes, self._device)
+        if todo:
+            await anyio.to_thread.run_sync(self._allocate, todo)
         self._released -= todo
         self._update_ready()
+
+    def _allocate(self, tags: set[MemoryTag]) -> None:
+        """Allocate (and fill, for the weights) the memory of ``tags`` (in a worker thread)."""
+        cfg = self.config
+        if MemoryTag.KV_CACHE in tags:
+            for memory in self._memories:
+                memory.allocate()
+        if MemoryTag.WEIGHTS in tags:
+            self._weights = HostOrDeviceBuffer(cfg.weights_bytes, self._device)
+            self._weights.fill_pattern(cfg.default_seed)  # "loading" commits the pages
+        if MemoryTag.CUDA_GRAPH in tags:
+            self._graphs = HostOrDeviceBuffer(cfg.cuda_graph_bytes, self._device)
 
     def _update_ready(self) -> None:
         ready = not self._released & {MemoryTag.KV_CACHE, MemoryTag.WEIGHTS}

@@ -21,12 +21,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from actors.engines._mock._wire import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-)
+from actors.engines._mock._wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["BlockPool", "BlockPoolStatistics"]
 
@@ -55,7 +50,7 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, oldest first
         self._used = 0
-        self._events: list[KVCacheEvent] = []
+        self._events: list[KVEvent] = []
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -194,6 +189,6 @@ class BlockPool:
                 return
         self._events.append(event)
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

@@ -20,7 +20,7 @@ import zmq
 from actors._zmq import AsyncSocket
 from actors.engines._mock._wire import (
     END_SEQ,
-    KVCacheEvent,
+    KVEvent,
     KVEventBatch,
     KvMetrics,
     decode_seq,
@@ -71,9 +71,9 @@ class KvEventPublisher:
         """The sequence number of the last published batch (-1 before the first)."""
         return self._next_seq - 1
 
-    def publish(self, events: Sequence[KVCacheEvent]) -> int:
+    def publish(self, events: Sequence[KVEvent]) -> int:
         """Send one batch now; returns its sequence number."""
-        batch = KVEventBatch(ts=time.time(), events=list(events), attn_dp_rank=self.rank)  # type: ignore[arg-type]
+        batch = KVEventBatch(ts=time.time(), events=list(events), attn_dp_rank=self.rank)
         payload = encode_kv_event_batch(batch)
         seq = self._next_seq
         self._next_seq += 1

@@ -119,7 +119,10 @@ class RankScheduler(LoopMixin):
         """Abort ``req`` at the next step boundary (from a finaliser, which may run anywhere)."""
         if not self.closed:
             self._deferred.append(req)
-            self.wake()
+            try:
+                self.wake()
+            except RuntimeError:
+                pass  # the event loop is gone: nothing left to wake
 
     def after_change(self) -> None:
         """Tidy the queues and publish after a call changed requests or blocks."""
@@ -219,9 +222,7 @@ class RankScheduler(LoopMixin):
     ) -> None:
         """Append the token a prefill (or a KV transfer) produced after a sequence of hash
         ``h``; then decode, or finish."""
-        req.seq.append(token)
-        req.ngen += 1
-        self.generated += 1
+        self._append(req, token)
         self._urgent = True
         if reason is not None or req.ngen >= req.max_new:
             self._end(req, reason or "length", None)
@@ -348,28 +349,34 @@ class RankScheduler(LoopMixin):
         hs = np.array([self.tokens.prefix_hash(r.seq) for r in done], dtype=np.uint64)
         seeds = np.array([r.seed_word for r in done], dtype=np.uint64)
         regular, eos = self.tokens.next_tokens(hs, seeds)
+        prefill_role = self.cfg.role == "prefill"
         for i, req in enumerate(done):
             write_partial(req, self.cfg.block_size, self.memory)
-            if req.ngen >= req.max_new:
+            token: int | None = None
+            reason: FinishReason | None = None
+            if req.ngen < req.max_new:
+                flag = bool(eos is not None and eos[i])
+                token, reason = self.decide(req, int(regular[i]), flag, req.ngen)
+            if prefill_role and req.bootstrap is not None:
+                self._owe(req, token, reason)
+            elif token is None:
                 self._end(req, "length", None)
-                continue
-            flag = bool(eos is not None and eos[i])
-            token, reason = self.decide(req, int(regular[i]), flag, req.ngen)
-            if self.cfg.role != "prefill":
-                self.start_decoding(req, int(hs[i]), token, reason)
-            elif req.bootstrap is None:
-                req.seq.append(token)
-                req.ngen += 1
-                self.generated += 1
+            elif prefill_role:  # prefill-only, nothing owed: one token and done
+                self._append(req, token)
                 self._end(req, reason or "length", None)
             else:
-                self._owe(req, token, reason)
+                self.start_decoding(req, int(hs[i]), token, reason)
 
-    def _owe(self, req: MockRequest, token: int, reason: FinishReason | None) -> None:
-        """Prefill role: the one token goes out; the KV stays until the decode side took it."""
+    def _append(self, req: MockRequest, token: int) -> None:
         req.seq.append(token)
         req.ngen += 1
         self.generated += 1
+
+    def _owe(self, req: MockRequest, token: int | None, reason: FinishReason | None) -> None:
+        """Prefill role: the token (if any) goes out; the KV stays until the decode side took
+        it (``release_transfer``), is aborted, or the transfer times out."""
+        if token is not None:
+            self._append(req, token)
         heapq.heappush(self._free_slots, req.slot)
         req.slot = -1
         req.phase = Phase.OWED

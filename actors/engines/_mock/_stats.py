@@ -3,11 +3,12 @@ frozen records), for tests, benchmarks and the KV-transfer layer."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
-from actors.engines._mock._kvmem import KvMemoryInfo, KvPageMemory
+from actors.engines._mock._kvmem import KvMemoryInfo, KvPageMemory, prompt_page_hashes
 from actors.engines._mock._loop import StepRecord
 from actors.engines._mock._pool import BlockPoolStatistics
 from actors.engines._mock._request import MockRequest, Phase
@@ -116,6 +117,15 @@ class IntrospectionMixin:
     def verify_block(self, block_id: int, page_hash: int, dp_rank: int = 0) -> bool:
         """Whether ``block_id`` holds the content of the page with chained hash ``page_hash``."""
         return self._memories[dp_rank].verify(block_id, page_hash)
+
+    def verify_pages(
+        self, block_ids: Sequence[int], tokens: Sequence[int], dp_rank: int = 0
+    ) -> list[int]:
+        """Indices of the pages of ``tokens`` (in ``block_ids``, page i in block_ids[i]) whose
+        content is wrong; empty when every page, the trailing partial one included, is right."""
+        memory = self._memories[dp_rank]
+        hashes = prompt_page_hashes(tokens, self._ranks[dp_rank].cfg.block_size)
+        return [i for i, h in enumerate(hashes) if not memory.verify(block_ids[i], h)]
 
     def block_checksum(self, block_id: int, dp_rank: int = 0) -> int:
         """The checksum of what ``block_id`` holds (compare with ``page_checksum``)."""

@@ -22,6 +22,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "KVCacheEvent",
+    "KVEvent",
     "KVEventBatch",
     "KvMetrics",
     "decode_kv_event_batch",
@@ -61,11 +62,14 @@ class AllBlocksCleared(KVCacheEvent):
     """The whole prefix cache was dropped (flush, memory release)."""
 
 
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
     """The events of one scheduler step."""
 
     ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[KVEvent]
     attn_dp_rank: int | None = None
 
 

@@ -1,0 +1,312 @@
+"""Benchmark of KV transfer over NIXL between two processes, against the copy ceiling.
+
+    python benchmarks/kv_transfer.py [--quick] [--bytes-per-token N] [--device auto|cpu|cuda]
+
+This process is the prefill worker (its pool on cpu or cuda:0); a decode worker runs in a child
+process (``python -m actors.kv._peer``, its pool on cpu or cuda:1). Every transfer goes through
+the real path: decode allocates pages and sends the room's page list over the bootstrap channel,
+prefill WRITEs its pages with one NIXL transfer (runs coalesced) and one notification, decode
+receives the notification. The time measured is prefill's WRITE, from posting to NIXL's DONE
+(the bootstrap round trip is excluded); the first transfer of every configuration is verified
+(per-page checksums), the timed ones are not.
+
+Request sizes 1, 16, 64 and 256 MiB of KV at ``--bytes-per-token`` (default 131072: Llama-3-8B
+in bf16, 32 layers x 8 KV heads x 128 x 2 x 2 B), pages of 1, 16 and 64 tokens, in two layouts:
+
+- ``contiguous``: the pages as the pool's allocator hands them out on a fresh pool (one run on
+  each side, so one descriptor);
+- ``scattered``: random pages of the pool on both sides (one descriptor per page: the worst case
+  of a fragmented pool).
+
+The ceiling, in the same run and interleaved with the transfers (one copy after every timed
+transfer, the same number of bytes): a single-threaded host memcpy (numpy) on CPU; on GPU a raw
+torch copy from cuda:0 to cuda:1. A request moves whole pages, so a 1 MiB request of 16-token
+pages moves one 2 MiB page: the table shows both, and rates count the bytes moved.
+
+JSON keys: ``kv_gbps_<size>`` (contiguous, 16-token pages), ``ceiling_gbps_<size>``,
+``ratio_<size>`` (and ``ratio_64MiB``), ``kv_gbps_64MiB_page16`` (scattered 16-token pages at
+64 MiB), ``per_descriptor_us`` (the extra cost of one descriptor: scattered minus contiguous time
+over the extra descriptors, 1-token pages at 64 MiB), ``device``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.kv import KVConfig, KVPool, NixlAgent, PrefillKV, bootstrap_info
+from actors.kv._bootstrap import pack_pages
+from actors.kv._peer import PeerProcess, Receive, Stats
+
+MiB = 1 << 20
+SIZES_MIB = (1, 16, 64, 256)
+PAGE_TOKENS = (1, 16, 64)
+LAYOUTS = ("contiguous", "scattered")
+
+
+def _iterations(size_mib: int, quick: bool) -> int:
+    base = {1: 40, 16: 20, 64: 10, 256: 6}[size_mib]
+    return max(3, base // 4) if quick else base
+
+
+def _fill(pool: KVPool) -> None:
+    """Non-trivial content (never time zeros), cheap to make."""
+    host = pool.host_view
+    if host is not None:
+        words = host.reshape(-1).view(np.uint64)
+        words[:] = np.arange(words.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        return
+    import torch
+
+    tensor = pool.tensor_view
+    assert tensor is not None
+    flat = tensor.reshape(-1).view(torch.int64)
+    flat.copy_(torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) * 7919 + 17)
+    if flat.is_cuda:
+        torch.cuda.synchronize(flat.device)
+
+
+class _Ceiling:
+    """The copy this transfer is compared with, timed right beside it (these hosts are shared):
+    a single-threaded numpy memcpy on CPU, a torch copy from cuda:0 to cuda:1 on GPU."""
+
+    def __init__(self, device: str, size: int) -> None:
+        self.device = device
+        if device == "cpu":
+            self.src: Any = np.full(size, 7, dtype=np.uint8)
+            self.dst: Any = np.ones(size, dtype=np.uint8)
+        else:
+            import torch
+
+            self.src = torch.full((size,), 7, dtype=torch.uint8, device="cuda:0")
+            self.dst = torch.ones(size, dtype=torch.uint8, device="cuda:1")
+
+    def time(self, nbytes: int) -> float:
+        if self.device == "cpu":
+            t = time.perf_counter()
+            np.copyto(self.dst[:nbytes], self.src[:nbytes])
+            return time.perf_counter() - t
+        import torch
+
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+        t = time.perf_counter()
+        self.dst[:nbytes].copy_(self.src[:nbytes], non_blocking=True)
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+        return time.perf_counter() - t
+
+
+async def _one_transfer(
+    kv: PrefillKV,
+    proc: PeerProcess,
+    local: np.ndarray[Any, Any],
+    remote: np.ndarray[Any, Any],
+    verify: bool,
+) -> tuple[float, int]:
+    room = kv.open_room()
+    outcome: list[Any] = []
+    with room:
+        async with anyio.create_task_group() as tg:
+
+            async def receive() -> None:
+                cmd = Receive(
+                    bootstrap=bootstrap_info(kv.endpoint, room.room),
+                    num_pages=int(remote.size),
+                    seed=0,
+                    pages=pack_pages(remote),
+                    verify=verify,
+                    check_bytes=False,
+                )
+                outcome.append(await proc.call(cmd))
+
+            tg.start_soon(receive)
+            await room.wait_requested(30)
+            result = await room.send(local)
+    if not outcome[0].ok:
+        raise RuntimeError(f"decode side failed: {outcome[0].code} {outcome[0].message}")
+    return result.seconds, result.descriptors
+
+
+async def _run_page_size(
+    args: argparse.Namespace, device: str, page_tokens: int, ipc: str, rows: list[dict[str, Any]]
+) -> None:
+    page_bytes = page_tokens * args.bytes_per_token
+    max_bytes = max(SIZES_MIB) * MiB
+    num_pages = max(2, 2 * -(-max_bytes // page_bytes))
+    local_device = "cpu" if device == "cpu" else "cuda:0"
+    remote_device = "cpu" if device == "cpu" else "cuda:1"
+    pool = KVPool.allocate(num_pages, page_bytes, device=local_device)  # before the agent: CUDA
+    _fill(pool)
+    ceiling = _Ceiling(device, max(SIZES_MIB) * MiB + page_bytes)
+    config = KVConfig(heartbeat_interval=0.5, peer_timeout=10.0, transfer_timeout=60.0)
+    with NixlAgent(prefix="bench-prefill") as agent:
+        async with (
+            PrefillKV(agent, pool, config=config) as kv,
+            PeerProcess.start(
+                "decode",
+                f"ipc://{ipc}/ctl-{page_tokens}",
+                num_pages=num_pages,
+                page_bytes=page_bytes,
+                device=remote_device,
+                heartbeat=0.5,
+                peer_timeout=10.0,
+                poll_while_pending=args.decode_spin,
+            ) as proc,
+        ):
+            await proc.call(Stats(), timeout=120)
+            rng = np.random.default_rng(page_tokens)
+            for size_mib in SIZES_MIB:
+                n = max(1, -(-size_mib * MiB // page_bytes))
+                for layout in LAYOUTS:
+                    if layout == "contiguous":
+                        local = np.arange(n, dtype=np.int64)
+                        remote = np.arange(n, dtype=np.int64)
+                    else:
+                        local = rng.permutation(num_pages)[:n].astype(np.int64)
+                        remote = rng.permutation(num_pages)[:n].astype(np.int64)
+                    nbytes = n * page_bytes
+                    await _one_transfer(kv, proc, local, remote, verify=True)  # warm + verify
+                    ceiling.time(nbytes)
+                    times, copies = [], []
+                    descs = 0
+                    for _ in range(_iterations(size_mib, args.quick)):
+                        seconds, descs = await _one_transfer(kv, proc, local, remote, False)
+                        times.append(seconds)
+                        copies.append(ceiling.time(nbytes))
+                    med = statistics.median(times)
+                    gbps = n * page_bytes / med / 1e9
+                    print(
+                        f"# {size_mib} MiB page {page_tokens} tok {layout}: {n} pages,"
+                        f" {descs} descs, {med * 1e3:.3f} ms, {gbps:.1f} GB/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    rows.append(
+                        {
+                            "size_mib": size_mib,
+                            "page_tokens": page_tokens,
+                            "page_bytes": page_bytes,
+                            "layout": layout,
+                            "pages": n,
+                            "descriptors": descs,
+                            "nbytes": n * page_bytes,
+                            "seconds": med,
+                            "gbps": nbytes / med / 1e9,
+                            "ceiling_gbps": nbytes / statistics.median(copies) / 1e9,
+                        }
+                    )
+            stats = kv.statistics()
+            assert stats.rooms_failed == 0 and pool.statistics().pages_in_use == 0
+    pool.close()
+    del pool, ceiling
+    if device != "cpu":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _pick_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    device = _pick_device(args.device)
+    rows: list[dict[str, Any]] = []
+    ipc = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+    for page_tokens in PAGE_TOKENS:
+        await _run_page_size(args, device, page_tokens, ipc, rows)
+    if device == "cpu":
+        name = f"cpu ({os.cpu_count()} cores)"
+    else:
+        import torch
+
+        name = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+
+    def row(size: int, tokens: int, layout: str) -> dict[str, Any]:
+        return next(
+            r
+            for r in rows
+            if r["size_mib"] == size and r["page_tokens"] == tokens and r["layout"] == layout
+        )
+
+    console = Console(width=150)
+    spin = ", decode spins while pending" if args.decode_spin else ""
+    table = Table(title=f"KV transfer over NIXL ({name}, {args.bytes_per_token} B/token{spin})")
+    cols = ("KV", "moved", "page", "layout", "pages", "descs", "ms", "GB/s", "copy GB/s", "ratio")
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        ceil = r["ceiling_gbps"]
+        table.add_row(
+            f"{r['size_mib']} MiB",
+            f"{r['nbytes'] / MiB:g} MiB",
+            f"{r['page_tokens']} tok",
+            r["layout"],
+            str(r["pages"]),
+            str(r["descriptors"]),
+            f"{r['seconds'] * 1e3:.3f}",
+            f"{r['gbps']:.1f}",
+            f"{ceil:.1f}",
+            f"{r['gbps'] / ceil:.2f}",
+        )
+    console.print(table)
+
+    result: dict[str, Any] = {}
+    for size in SIZES_MIB:
+        main_row = row(size, 16, "contiguous")
+        result[f"kv_gbps_{size}MiB"] = round(main_row["gbps"], 2)
+        result[f"ceiling_gbps_{size}MiB"] = round(main_row["ceiling_gbps"], 2)
+        result[f"ratio_{size}MiB"] = round(main_row["gbps"] / main_row["ceiling_gbps"], 3)
+    result["kv_gbps_64MiB_page16"] = round(row(64, 16, "scattered")["gbps"], 2)
+    scat, cont = row(64, 1, "scattered"), row(64, 1, "contiguous")
+    extra = max(1, scat["descriptors"] - cont["descriptors"])
+    result["per_descriptor_us"] = round((scat["seconds"] - cont["seconds"]) / extra * 1e6, 3)
+    result["device"] = name
+    result["bytes_per_token"] = args.bytes_per_token
+    result["decode_spin"] = args.decode_spin
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s on CPU)")
+    parser.add_argument("--bytes-per-token", type=int, default=131072)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    parser.add_argument(
+        "--decode-spin",
+        action="store_true",
+        help="decode polls NIXL hard while a room is pending (KVConfig.poll_while_pending)",
+    )
+    args = parser.parse_args()
+    if args.bytes_per_token <= 0 or args.bytes_per_token % 8:
+        parser.error("--bytes-per-token must be a positive multiple of 8")
+    start = time.perf_counter()
+    result = anyio.run(_main, args, backend=args.backend)
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

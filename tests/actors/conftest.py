@@ -1,0 +1,5 @@
+"""Fixtures for this directory's tests."""
+
+from tests.helpers.timetrap import _timetrap
+
+__all__ = ["_timetrap"]

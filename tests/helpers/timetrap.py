@@ -1,0 +1,30 @@
+"""A per-test watchdog (OTP's suites use a one-minute timetrap): a hang fails its test instead
+of stalling the whole run."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from types import FrameType
+
+import pytest
+
+TIMETRAP_S = 90
+
+
+class Timetrap(Exception):  # noqa: N818 - OTP's name
+    """The test ran past its timetrap (a hang)."""
+
+
+@pytest.fixture(autouse=True)
+def _timetrap() -> Iterator[None]:
+    def on_alarm(signum: int, frame: FrameType | None) -> None:
+        raise Timetrap(f"test still running after {TIMETRAP_S} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(TIMETRAP_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -1,0 +1,182 @@
+"""KV transfer building blocks without peer processes: pool, coalescing, checksums, wire."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from actors.kv import (
+    KVPool,
+    KVPoolExhausted,
+    NixlAgent,
+    bootstrap_endpoint,
+    bootstrap_info,
+    checksums_of,
+    coalesce,
+    page_checksums,
+)
+from actors.kv._peer import pattern_pages
+from protocols.kv import (
+    Hello,
+    KVMemoryDesc,
+    TransferNotification,
+    TransferRequest,
+    decode_message,
+    decode_notification,
+    encode_message,
+    encode_notification,
+)
+
+
+def test_pool_allocates_contiguous_runs_best_fit_and_accounts() -> None:
+    pool = KVPool.allocate(64, 64, device="cpu")
+    a = pool.alloc(10)
+    b = pool.alloc(10)
+    c = pool.alloc(10)
+    assert a.pages.tolist() == list(range(10)) and b.pages[0] == 10
+    b.free()
+    small = pool.alloc(4)  # best fit: the 10-page hole, not the 34-page tail
+    assert small.pages.tolist() == [10, 11, 12, 13]
+    stats = pool.statistics()
+    assert stats.pages_in_use == 24 and stats.allocations_live == 3
+    assert stats.largest_free_run == 34
+    for alloc in (a, c, small):
+        alloc.free()
+        alloc.free()  # idempotent
+    stats = pool.statistics()
+    assert stats.pages_in_use == 0 and stats.allocations_live == 0
+    assert stats.largest_free_run == 64
+
+
+def test_pool_fragmented_allocation_uses_fewest_runs_and_exhaustion_is_typed() -> None:
+    pool = KVPool.allocate(16, 64, device="cpu")
+    held = [pool.alloc_exact([i]) for i in (2, 5, 6, 11)]
+    big = pool.alloc(10)  # no free run of 10: the largest runs first
+    assert len(big) == 10 and len(set(big.pages.tolist())) == 10
+    assert not set(big.pages.tolist()) & {2, 5, 6, 11}
+    with pytest.raises(KVPoolExhausted):
+        pool.alloc(3)
+    with pytest.raises(KVPoolExhausted):
+        pool.alloc_exact([2])  # taken
+    assert KVPoolExhausted.code == "capacity.kv_pool_exhausted"
+    big.free()
+    for alloc in held:
+        alloc.free()
+    assert pool.statistics().pages_free == 16
+
+
+def test_pool_adopts_numpy_torch_and_raw_buffers() -> None:
+    array = np.zeros((8, 128), dtype=np.float32)
+    pool = KVPool.from_buffer(array, page_bytes=512)
+    assert pool.num_pages == 8 and pool.mem_type == "DRAM"
+    assert pool.base_addr == array.ctypes.data
+    host = pool.host_view
+    assert host is not None
+    host[3, :4] = 0xFF
+    assert array.view(np.uint8).reshape(8, 512)[3, 0] == 0xFF  # the engine's memory itself
+
+    tensor = torch.zeros(4096, dtype=torch.bfloat16)
+    tpool = KVPool.from_buffer(tensor, page_bytes=1024)
+    assert tpool.num_pages == 8 and tpool.base_addr == tensor.data_ptr()
+
+    raw = KVPool.from_address(array.ctypes.data, array.nbytes, 512, keepalive=array)
+    assert np.array_equal(page_checksums(raw, np.arange(8)), page_checksums(pool, np.arange(8)))
+    with pytest.raises(ValueError):
+        KVPool.from_buffer(np.zeros((8, 8))[:, ::2], page_bytes=64)
+
+
+def test_coalesce_merges_runs_consecutive_on_both_sides() -> None:
+    local = KVMemoryDesc(mem_type="DRAM", device_id=0, base_addr=1000, num_pages=64, page_bytes=8)
+    remote = KVMemoryDesc(mem_type="VRAM", device_id=1, base_addr=5000, num_pages=64, page_bytes=8)
+    descs = coalesce(np.arange(10, 20), local, np.arange(30, 40), remote)
+    assert descs.count == 1 and descs.nbytes == 80
+    assert descs.local.tolist() == [[1080, 80, 0]] and descs.remote.tolist() == [[5240, 80, 1]]
+    # Runs break where either side breaks.
+    lp = np.array([0, 1, 2, 3, 7, 8, 9])
+    rp = np.array([5, 6, 9, 10, 11, 12, 13])
+    descs = coalesce(lp, local, rp, remote)
+    assert descs.local[:, 1].tolist() == [16, 16, 24]
+    assert descs.remote[:, 0].tolist() == [5040, 5072, 5088]
+    with pytest.raises(ValueError):
+        coalesce(np.arange(3), local, np.arange(4), remote)
+    with pytest.raises(ValueError):
+        coalesce(np.array([64]), local, np.array([0]), remote)
+
+
+def test_checksums_agree_across_numpy_and_torch_and_catch_flips_and_swaps() -> None:
+    pages = pattern_pages(seed=9, count=6, page_bytes=256)
+    want = checksums_of(pages)
+    assert np.array_equal(want, checksums_of(torch.from_numpy(pages.copy())))
+    from actors.kv._checksum import _torch_checksums
+
+    assert np.array_equal(want, _torch_checksums(torch.from_numpy(pages.copy())))
+    flipped = pages.copy()
+    flipped[2, 100] ^= 0x01
+    assert (checksums_of(flipped) != want).tolist() == [False, False, True, False, False, False]
+    swapped = pages.copy()
+    words = swapped.view(np.uint64)
+    words[4, [0, 1]] = words[4, [1, 0]]
+    assert checksums_of(swapped)[4] != want[4]
+
+
+def test_wire_messages_round_trip_and_reject_garbage() -> None:
+    mem = KVMemoryDesc(mem_type="DRAM", device_id=0, base_addr=1, num_pages=2, page_bytes=8)
+    hello = Hello(
+        worker_id="d", agent_name="a", incarnation=7, agent_metadata=b"\x00md", memory=mem
+    )
+    assert decode_message(encode_message(hello)) == hello
+    req = TransferRequest(room=(1 << 63) - 1, pages=b"\x01" * 16)
+    assert decode_message(encode_message(req)) == req
+    notif = TransferNotification(room=5, checksums=b"\x02" * 8)
+    assert decode_notification(encode_notification(notif)) == notif
+    with pytest.raises(msgspec.ValidationError):
+        decode_message(encode_notification(notif))
+    with pytest.raises(msgspec.DecodeError):
+        decode_message(b"\xc1")
+
+
+def test_bootstrap_triples_for_tcp_and_ipc() -> None:
+    info = bootstrap_info("tcp://127.0.0.1:5757", 42)
+    assert (info.host, info.port, info.room) == ("127.0.0.1", 5757, 42)
+    assert bootstrap_endpoint(info) == "tcp://127.0.0.1:5757"
+    ipc = bootstrap_info("ipc:///tmp/x.sock", 1)
+    assert bootstrap_endpoint(ipc) == "ipc:///tmp/x.sock" and ipc.port == 0
+
+
+def test_agent_replaces_a_stale_remote_agent_of_the_same_name_and_releases_all() -> None:
+    with NixlAgent(prefix="a") as a:
+        buf = np.zeros(4096, dtype=np.uint8)
+        reg = a.register(int(buf.ctypes.data), buf.nbytes, "DRAM", 0)
+        for life in range(2):  # the peer "restarts" under the same name
+            with NixlAgent("peer-same-name") as b:
+                assert a.add_remote(b.metadata(), "peer-same-name") == "peer-same-name"
+                assert a.statistics().remote_agents == 1
+                assert a.statistics().remote_agents_replaced == life
+        stats = a.statistics()
+        assert stats.registrations == 1 and stats.registered_bytes == 4096
+        a.deregister(reg)
+    assert a.statistics().registrations == 0 and a.statistics().remote_agents == 0
+
+
+def test_a_tensor_held_pool_takes_the_gpu_code_paths_and_agrees() -> None:
+    # The GPU pool's code (views, gathers, checksums through torch) run on a CPU tensor.
+    from actors.kv._peer import _read_pages, fill_pattern
+
+    tensor = torch.zeros(16 * 256, dtype=torch.uint8)
+    pool = KVPool(
+        page_bytes=256,
+        nbytes=tensor.numel(),
+        base_addr=tensor.data_ptr(),
+        mem_type="DRAM",
+        device_id=0,
+        host=None,
+        tensor=tensor,
+    )
+    assert pool.host_view is None and pool.tensor_view is not None
+    pages = np.array([9, 3, 4, 12], dtype=np.int64)
+    fill_pattern(pool, pages, seed=5)
+    want = pattern_pages(5, 4, 256)
+    assert np.array_equal(_read_pages(pool, pages), want)
+    assert np.array_equal(page_checksums(pool, pages), checksums_of(want))

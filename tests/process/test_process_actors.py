@@ -1,0 +1,289 @@
+"""Process actors: the ActorRef API across OS processes, with real faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import anyio
+import psutil
+import pytest
+
+from actors import ActorCrashed, AskTimeout, ReplyError
+from actors.process import ProcessDied, ProcessOptions
+from protocols.codec import CodecError
+from supervisors import (
+    Backoff,
+    ChildStartFailed,
+    SupervisorExited,
+    SupervisorFlags,
+    open_supervisor,
+    process_child,
+)
+
+ECHO = "tests.process.workers:Echo"
+FAST = ProcessOptions(heartbeat_interval=0.05, heartbeat_timeout=0.5, stop_timeout=2.0)
+
+
+async def _pid(ref: object) -> int:
+    return int(await ref.ask("pid"))  # type: ignore[attr-defined]
+
+
+async def test_tell_ask_stream_across_processes() -> None:
+    async with open_supervisor([process_child("echo", ECHO, "bonjour", options=FAST)]) as sup:
+        ref = await sup.child("echo")
+        assert await ref.ask("greeting") == "bonjour"
+        assert await _pid(ref) != os.getpid()
+        for i in range(100):
+            ref.tell_nowait(("tell", i))
+        assert await ref.ask("told") == list(range(100))
+        async with ref.stream(("count", 50), buffer=4) as replies:
+            assert [r async for r in replies] == list(range(50))
+
+
+async def test_reply_error_crosses_intact_and_actor_survives() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)]) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        with pytest.raises(ReplyError, match="no such thing"):
+            await ref.ask("reply-error")
+        async with ref.stream(("fail-after", 3)) as replies:
+            got = []
+            with pytest.raises(ReplyError, match="stream failed"):
+                async for r in replies:
+                    got.append(r)
+        assert got == [0, 1, 2]
+        assert await _pid(ref) == pid
+
+
+async def test_unencodable_message_is_a_typed_error_and_loses_nothing() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)]) as sup:
+        ref = await sup.child("echo")
+        with pytest.raises(CodecError):
+            await ref.ask(object())
+        assert await ref.ask("greeting") == "hello"
+
+
+async def test_handler_exception_crashes_and_restarts_process() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        with pytest.raises(ActorCrashed):
+            await ref.ask("crash")
+        await _wait_running(ref, after=1)
+        assert await _pid(ref) != pid
+        assert ref.statistics().restarts == 1
+
+
+async def test_sigkill_mid_stream_fails_caller_at_once_and_restarts() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        received = []
+        with pytest.raises(ActorCrashed) as crash:
+            async with ref.stream(("forever",)) as replies:
+                async for item in replies:
+                    received.append(item)
+                    if item == 5:
+                        os.kill(pid, signal.SIGKILL)
+        assert isinstance(crash.value.reason.error, ProcessDied)
+        assert received[:6] == list(range(6))
+        await _wait_running(ref, after=1)
+        assert await _pid(ref) != pid
+
+
+async def test_sigkill_fails_pending_asks() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        errors: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                await ref.ask(("sleep", 30), timeout=None)
+            except ActorCrashed as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(call)
+            await anyio.sleep(0.1)
+            os.kill(pid, signal.SIGKILL)
+        assert len(errors) == 5
+
+
+async def test_sigstop_is_caught_by_heartbeat_and_killed() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ActorCrashed) as crash:
+                await ref.ask(("sleep", 0), timeout=None)
+        finally:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGCONT)
+        assert "heartbeat" in str(crash.value)
+        await _wait_running(ref, after=1)
+        assert await _pid(ref) != pid
+
+
+async def test_child_failing_or_exiting_during_start() -> None:
+    with pytest.raises(ChildStartFailed) as failed:
+        async with open_supervisor([process_child("x", "tests.process.workers:FailsToStart", options=FAST)]):
+            pass
+    assert "cannot start" in str(failed.value.cause)
+    with pytest.raises(ChildStartFailed) as exited:
+        async with open_supervisor([process_child("y", "tests.process.workers:ExitsDuringStart", options=FAST)]):
+            pass
+    assert isinstance(exited.value.cause, ProcessDied)
+
+
+async def test_crash_loop_backs_off_then_recovers(tmp_path: object) -> None:
+    counter = str(tmp_path) + "/starts"  # type: ignore[operator]
+    spec = process_child(
+        "flaky", "tests.process.workers:FlakyStart", counter, 0, options=FAST, backoff=Backoff(0.01, 0.05)
+    )
+    async with open_supervisor([spec], SupervisorFlags(intensity=10, period=60)) as sup:
+        ref = await sup.child("flaky")
+        # Now make the next three restarts fail at start, then succeed.
+        os.remove(counter)
+        with open(counter, "w") as fh:
+            fh.write("-3")
+        os.kill(await _pid(ref), signal.SIGKILL)
+        await _wait_running(ref, timeout=20, after=1)
+        assert await ref.ask("ok") == "ok"
+        with open(counter) as fh:
+            assert int(fh.read()) == 1
+        stats = await sup.statistics()
+        assert stats.restarts >= 4
+
+
+async def test_crash_loop_escalates_when_intensity_is_exceeded() -> None:
+    spec = process_child("dies", "tests.process.workers:Echo", options=FAST)
+    with pytest.raises(SupervisorExited) as exited:
+        async with open_supervisor([spec], SupervisorFlags(intensity=2, period=60)) as sup:
+            ref = await sup.child("dies")
+            for n in range(5):
+                await _wait_running(ref, after=n)
+                try:
+                    os.kill(await _pid(ref), signal.SIGKILL)
+                except ActorCrashed:
+                    pass
+                await anyio.sleep(0.05)
+            await anyio.sleep(30)
+    assert exited.value.reason.detail == "reached_max_restart_intensity"
+
+
+async def test_large_and_many_messages() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)]) as sup:
+        ref = await sup.child("echo")
+        blob = os.urandom(16 * 1024 * 1024)
+        assert await ref.ask(blob, timeout=30) == len(blob)
+        async with anyio.create_task_group() as tg:
+            results: list[int] = []
+
+            async def call(i: int) -> None:
+                results.append(await ref.ask(i))
+
+            for i in range(2000):
+                tg.start_soon(call, i)
+        assert sorted(results) == list(range(2000))
+        async with ref.stream(("chunks", 500, 16), buffer=8) as replies:
+            assert sum([1 async for _ in replies]) == 500
+
+
+async def test_cancellation_crosses_the_boundary() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)]) as sup:
+        ref = await sup.child("echo")
+        with anyio.move_on_after(0.2):
+            await ref.ask(("sleep", 30), timeout=None)
+        with pytest.raises(AskTimeout):
+            await ref.ask(("sleep", 30), timeout=0.2)
+        async with ref.stream(("forever",)) as replies:
+            async for item in replies:
+                if item == 3:
+                    break
+        for _ in range(100):
+            if await ref.ask("aborted") == 2 and await ref.ask("stream_closed") == 1:
+                break
+            await anyio.sleep(0.02)
+        assert await ref.ask("aborted") == 2
+        assert await ref.ask("stream_closed") == 1
+
+
+async def test_root_cancelled_leaves_no_process() -> None:
+    pids = []
+    with anyio.move_on_after(1.0):
+        async with open_supervisor([process_child(f"e{i}", ECHO, options=FAST) for i in range(3)]) as sup:
+            for i in range(3):
+                pids.append(await _pid(await sup.child(f"e{i}")))
+            await anyio.sleep(30)
+    assert len(pids) == 3
+    await _wait_gone(pids)
+
+
+async def test_graceful_stop_over_sigterm_and_sigkill_escalation() -> None:
+    opts = ProcessOptions(heartbeat_interval=0.05, heartbeat_timeout=5, stop_timeout=0.2, term_timeout=0.2)
+    async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        os.kill(pid, signal.SIGSTOP)  # it can answer neither the stop request nor SIGTERM
+        await sup.terminate_child("echo")
+        await _wait_gone([pid])
+
+
+def test_root_sigkilled_leaves_no_orphans(tmp_path: object) -> None:
+    script = textwrap.dedent(
+        f"""
+        import anyio, logging, structlog
+        from supervisors import open_supervisor, process_child
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+        async def main():
+            async with open_supervisor([process_child(f"e{{i}}", "{ECHO}") for i in range(2)]) as sup:
+                for i in range(2):
+                    print(await (await sup.child(f"e{{i}}")).ask("pid"), flush=True)
+                print("ready", flush=True)
+                await anyio.sleep(60)
+        anyio.run(main)
+        """
+    )
+    root = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    assert root.stdout is not None
+    try:
+        pids = [int(root.stdout.readline()), int(root.stdout.readline())]
+        assert root.stdout.readline().strip() == "ready"
+        family = [p.pid for p in psutil.Process(root.pid).children(recursive=True)]
+        assert set(pids) <= set(family)
+    finally:
+        root.kill()
+        root.wait()
+        root.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in family):
+        time.sleep(0.05)
+    assert not [p for p in family if _alive(p)], "orphans survived the root"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def _wait_running(ref: object, timeout: float = 10, after: int = 0) -> None:
+    """Until an incarnation newer than ``after`` runs."""
+    with anyio.fail_after(timeout):
+        while not (ref.is_running and ref.statistics().incarnation > after):  # type: ignore[attr-defined]
+            await anyio.sleep(0.01)
+
+
+async def _wait_gone(pids: list[int]) -> None:
+    with anyio.fail_after(10):
+        while any(_alive(p) for p in pids):
+            await anyio.sleep(0.02)
