@@ -106,9 +106,6 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "SGLangEngine",
-    "SGLangMetricsReader",
-    "SGLangRequiresAsyncio",
     "FAKE_BOOTSTRAP_HOST",
     "AllBlocksCleared",
     "BlockPoolStatistics",
@@ -128,6 +125,9 @@ __all__ = [
     "MockEngineConfig",
     "MockEngineStatistics",
     "RankStatistics",
+    "SGLangEngine",
+    "SGLangMetricsReader",
+    "SGLangRequiresAsyncio",
     "StepRecord",
     "TimingModel",
     "decode_kv_event_batch",
