@@ -30,7 +30,7 @@ OWNER_GONE = ExitReason.killed("owner cancelled")
 
 # Messages handled back to back before yielding to other tasks, so a flooded actor cannot
 # starve the event loop.
-_FAIRNESS = 64
+_FAIRNESS = 256
 _ids = itertools.count(1)
 
 OnExit = Callable[[ExitReason], CellState]
@@ -207,6 +207,7 @@ class Incarnation:
         receive = self.actor.receive
         reply_errors = self._reply_errors
         budget = _FAIRNESS
+        yield_now = self.backend.yield_now
         while self.stop_reason is None:
             if not items:
                 await mailbox.wait_nonempty()
@@ -237,7 +238,7 @@ class Incarnation:
             budget -= 1
             if not budget:
                 budget = _FAIRNESS
-                await anyio.lowlevel.checkpoint()
+                await yield_now()
         return self.stop_reason
 
     async def _abortable_ask(self, receive: Callable[[Any], Any], message: Any, reply: Any) -> None:

@@ -13,9 +13,9 @@ Every request is greedy with ``ignore_eos`` so each produces exactly ``--max-tok
 CPU time is shown next to wall time: these machines are shared.
 
 A table first, then one JSON line. The serving-path numbers of issue 9 (``served_tokens_per_s``
-through ``actorserve run``, ``ttft_ms_agg_p50`` / ``ttft_ms_disagg_p50``) are measured by
-functions added next to :func:`engine_throughput`, whose results :func:`main` merges into the
-same JSON line.
+through ``actorserve run``, ``ttft_ms_agg_p50`` / ``ttft_ms_disagg_p50``) belong in further
+``measure_*`` functions beside :func:`measure_engine`, merged by :func:`main_async` into the
+same rows and JSON line.
 """
 
 from __future__ import annotations
@@ -154,25 +154,41 @@ async def engine_throughput(
     )
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+async def measure_engine(args: argparse.Namespace) -> tuple[list[Throughput], dict[str, Any]]:
+    """The engine alone (and transformers' ``generate`` as the baseline): rows and metrics."""
     files = find_smollm2()
     prompts = chat_prompts(files.tokenizer_path)
-    results: list[Throughput] = []
+    rows: list[Throughput] = []
     if not args.skip_hf:
-        results.append(hf_generate_throughput(files.folder, prompts, args.max_tokens))
+        rows.append(hf_generate_throughput(files.folder, prompts, args.max_tokens))
     engine = HFEngine(HFEngineConfig(num_threads=args.threads))
     try:
         await engine.start()
         await _one(engine, _request("warm", prompts[0], 2), [])
-        results.append(await engine_throughput(engine, prompts, args.max_tokens, 1))
-        results.append(await engine_throughput(engine, prompts, args.max_tokens, 4))
+        batch1 = await engine_throughput(engine, prompts, args.max_tokens, 1)
+        batch4 = await engine_throughput(engine, prompts, args.max_tokens, 4)
     finally:
         await engine.cleanup()
+    rows += [batch1, batch4]
+    metrics: dict[str, Any] = {
+        "engine_tokens_per_s": round(batch4.tokens_per_s, 2),
+        "engine_tokens_per_s_batch1": round(batch1.tokens_per_s, 2),
+        "engine_tokens_per_s_batch4": round(batch4.tokens_per_s, 2),
+        "engine_cpu_ms_per_token_batch1": round(batch1.cpu_s / batch1.tokens * 1000, 1),
+        "engine_cpu_ms_per_token_batch4": round(batch4.cpu_s / batch4.tokens * 1000, 1),
+        "engine_ttft_ms_p50": round(statistics.median(batch1.ttft_ms), 1),
+    }
+    if not args.skip_hf:
+        metrics["hf_generate_tokens_per_s"] = round(rows[0].tokens_per_s, 2)
+    return rows, metrics
 
-    table = Table(title=f"hf engine, SmolLM2-135M fp32, {args.max_tokens} tokens/request")
+
+def print_table(rows: list[Throughput], max_tokens: int) -> None:
+    """The human-readable table (before the JSON line)."""
+    table = Table(title=f"hf engine, SmolLM2-135M fp32, {max_tokens} tokens/request")
     for col in ("run", "batch", "tokens", "wall s", "cpu s", "tokens/s", "ttft ms p50"):
         table.add_column(col, justify="right" if col != "run" else "left")
-    for r in results:
+    for r in rows:
         ttft = f"{statistics.median(r.ttft_ms):.0f}" if r.ttft_ms else "-"
         table.add_row(
             r.name,
@@ -184,20 +200,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             ttft,
         )
     Console().print(table)
-    by_batch = {r.batch: r for r in results if r.name.startswith("hf engine")}
-    out: dict[str, Any] = {
-        "engine_tokens_per_s": round(by_batch[4].tokens_per_s, 2),
-        "engine_tokens_per_s_batch1": round(by_batch[1].tokens_per_s, 2),
-        "engine_tokens_per_s_batch4": round(by_batch[4].tokens_per_s, 2),
-        "engine_ttft_ms_p50": round(statistics.median(by_batch[1].ttft_ms), 1),
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    """Every measurement; the serving-path ones (``served_tokens_per_s``, TTFT aggregated vs
+    disaggregated) join here as further ``measure_*`` calls once ``actorserve run`` exists."""
+    rows, metrics = await measure_engine(args)
+    print_table(rows, args.max_tokens)
+    return {
+        **metrics,
         "max_tokens": args.max_tokens,
         "torch_threads": torch.get_num_threads(),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
     }
-    hf = [r for r in results if r.name == "transformers generate"]
-    if hf:
-        out["hf_generate_tokens_per_s"] = round(hf[0].tokens_per_s, 2)
-    return out
 
 
 def main() -> None:

@@ -153,7 +153,12 @@ async def _run_page_size(
     pool = KVPool.allocate(num_pages, page_bytes, device=local_device)  # before the agent: CUDA
     _fill(pool)
     ceiling = _Ceiling(device, max(SIZES_MIB) * MiB + page_bytes)
-    config = KVConfig(heartbeat_interval=0.5, peer_timeout=10.0, transfer_timeout=60.0)
+    config = KVConfig(
+        heartbeat_interval=0.5,
+        peer_timeout=10.0,
+        transfer_timeout=60.0,
+        prepared_dlists=not args.raw_dlists,
+    )
     with NixlAgent(prefix="bench-prefill") as agent:
         async with (
             PrefillKV(agent, pool, config=config) as kv,
@@ -252,6 +257,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 
     console = Console(width=150)
     spin = ", decode spins while pending" if args.decode_spin else ""
+    spin += ", raw descriptor lists" if args.raw_dlists else ""
     table = Table(title=f"KV transfer over NIXL ({name}, {args.bytes_per_token} B/token{spin})")
     cols = ("KV", "moved", "page", "layout", "pages", "descs", "ms", "GB/s", "copy GB/s", "ratio")
     for col in cols:
@@ -285,6 +291,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     result["device"] = name
     result["bytes_per_token"] = args.bytes_per_token
     result["decode_spin"] = args.decode_spin
+    result["prepared_dlists"] = not args.raw_dlists
     return result
 
 
@@ -294,6 +301,11 @@ def main() -> None:
     parser.add_argument("--bytes-per-token", type=int, default=131072)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    parser.add_argument(
+        "--raw-dlists",
+        action="store_true",
+        help="build every WRITE from raw descriptor lists (KVConfig.prepared_dlists=False)",
+    )
     parser.add_argument(
         "--decode-spin",
         action="store_true",

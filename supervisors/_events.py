@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import Counter, Gauge
+
+from actors.telemetry import REGISTRY as _TELEMETRY_REGISTRY
 
 __all__ = ["REGISTRY", "emit", "set_backoff"]
 
-REGISTRY = CollectorRegistry(auto_describe=True)
+REGISTRY = _TELEMETRY_REGISTRY
 """The registry holding the supervision metrics; the telemetry actor serves it on /metrics."""
 
 _EVENTS = Counter(
