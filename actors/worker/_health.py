@@ -40,7 +40,7 @@ class HealthOptions:
     interval: float = 1.0  # how often activity is checked
 
 
-class HealthCheckFailed(Exception):  # noqa: N818 - it names the verdict
+class HealthCheckFailed(Exception):
     """The worker failed ``failures`` canaries in a row."""
 
 

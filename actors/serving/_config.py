@@ -1,0 +1,67 @@
+"""What ``actorserve run`` serves: a config file (TOML or YAML) with command-line overrides."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import cattrs
+
+__all__ = ["ServeConfig", "load_config"]
+
+
+@attrs.frozen
+class ServeConfig:
+    """One model, served aggregated or disaggregated.
+
+    ``engine_args`` pass through untouched to the backend: the mock's ``MockEngineConfig``
+    fields, the HF engine's ``HFEngineConfig`` fields, or SGLang's server arguments.
+    """
+
+    model: str = "mock"
+    backend: Literal["mock", "hf", "sglang"] = "mock"
+    mode: Literal["aggregated", "disaggregated"] = "aggregated"
+    prefill_workers: int = 1
+    decode_workers: int = 2
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine_args: dict[str, Any] = attrs.field(factory=dict)
+    router: Literal["round_robin", "least_loaded", "kv_aware"] = "kv_aware"
+    migration_limit: int = 3
+    stall_timeout: float = 30.0
+    request_timeout: float = 600.0
+    max_inflight: int | None = 1024
+    heartbeat_timeout: float = 5.0
+    health_idle_after: float = 10.0
+    tokenizer: str | None = None  # a local tokenizer folder; the mock uses a byte tokenizer
+
+    def __attrs_post_init__(self) -> None:
+        if self.decode_workers < 1 or (self.mode == "disaggregated" and self.prefill_workers < 1):
+            raise ValueError(
+                "need at least one decode (or aggregated) worker, and a prefill worker when disaggregated"
+            )
+        if self.migration_limit < 0:
+            raise ValueError("migration_limit must be >= 0")
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
+    """The config from ``path`` (``.toml``, ``.yaml``/``.yml``) with ``overrides`` on top."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        if str(path).endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = tomllib.loads(text)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return _converter.structure(data, ServeConfig)
+    except cattrs.BaseValidationError as exc:
+        raise ValueError("; ".join(cattrs.transform_error(exc))) from None

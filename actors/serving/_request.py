@@ -1,0 +1,221 @@
+"""The request-stream actor: owns one request from routing to its last token.
+
+It routes the request, streams the engine's outputs to the client, and on a *migratable* error
+(worker death, drain, shutdown, a stalled or truncated stream) re-dispatches it to another worker
+with the prompt plus every token generated so far, ``max_tokens``/``min_tokens`` reduced and the
+same seed, up to the migration limit: the client sees one uninterrupted stream. A client cancel
+aborts the engine request and is never migrated. Each output must arrive within the stall
+timeout and the whole request within its deadline, so no request hangs after a worker was chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import attrs
+import msgspec
+import structlog
+from prometheus_client import Counter, Histogram
+
+from actors import Actor, ActorError, ActorRef, ExitReason
+from actors.serving._router import Route, Routed
+from actors.telemetry import REGISTRY
+from protocols.engine import EngineOutput, PreprocessedRequest, StopConditions, Usage
+from protocols.errors import (
+    EngineFailure,
+    MigrationExhausted,
+    RequestError,
+    RequestTimeout,
+    StreamIncomplete,
+    StreamStalled,
+)
+
+__all__ = ["MIGRATIONS", "RequestStream", "StreamOptions"]
+
+_log = structlog.get_logger("actorserve.request")
+
+MIGRATIONS = Counter(
+    "actorserve_migration",
+    "Requests re-dispatched to another worker.",
+    ["model", "type"],
+    registry=REGISTRY,
+)
+MIGRATION_SECONDS = Histogram(
+    "actorserve_migration_duration_seconds",
+    "From the failure to the first output of the new worker (or the terminal error).",
+    ["model", "type", "outcome"],
+    registry=REGISTRY,
+)
+CANCELLATIONS = Counter(
+    "actorserve_cancellation", "Requests cancelled by their client.", ["model"], registry=REGISTRY
+)
+
+
+@attrs.frozen
+class StreamOptions:
+    model: str = "model"
+    migration_limit: int = 3
+    stall_timeout: float = 30.0  # longest gap between two outputs
+    request_timeout: float = 600.0  # the whole request
+    buffer: int = 16
+
+
+class RequestStream(Actor):
+    """One per request, a temporary child of the model's ``streams`` supervisor."""
+
+    reply_errors = (RequestError,)
+
+    def __init__(self, router: ActorRef[Any], options: StreamOptions) -> None:
+        self.router = router
+        self.options = options
+
+    async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
+        if not isinstance(message, PreprocessedRequest):
+            raise TypeError(f"expected a PreprocessedRequest, got {type(message).__name__}")
+        try:
+            async for output in self._serve(message):
+                yield output
+        except anyio.get_cancelled_exc_class():
+            CANCELLATIONS.labels(self.options.model).inc()
+            raise
+        except GeneratorExit:
+            CANCELLATIONS.labels(self.options.model).inc()
+            raise
+        finally:
+            self.stop(ExitReason.normal())
+
+    async def _serve(self, original: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        opts = self.options
+        deadline = time.monotonic() + opts.request_timeout
+        generated: list[int] = []
+        excluded: list[str] = []
+        migrations_left = opts.migration_limit
+        failed_at: float | None = None
+        migration_type = "new_request"
+        request = original
+        while True:
+            routed: Routed | None = None
+            try:
+                routed = await self.router.ask(Route(request, tuple(excluded)))
+                async for output in self._attempt(routed, request, deadline):
+                    if failed_at is not None:
+                        MIGRATION_SECONDS.labels(opts.model, migration_type, "success").observe(
+                            time.monotonic() - failed_at
+                        )
+                        failed_at = None
+                    generated.extend(output.token_ids)
+                    if output.finish_reason is not None:
+                        yield _final(output, original, generated)
+                        return
+                    yield output
+                raise StreamIncomplete("the engine stream ended without a finish reason")
+            except (RequestError, ActorError) as exc:
+                error = _typed(exc)
+                if not error.migratable:
+                    raise error from None
+                refusal = _refuse_migration(original)
+                if refusal or migrations_left <= 0:
+                    if failed_at is not None:
+                        MIGRATION_SECONDS.labels(opts.model, migration_type, "failure").observe(
+                            time.monotonic() - failed_at
+                        )
+                    if refusal:
+                        _log.info("migration refused", rid=original.rid, reason=refusal)
+                        raise error from None
+                    raise MigrationExhausted(f"{error.code}: {error.message}") from None
+                migrations_left -= 1
+                migration_type = "ongoing_request" if generated else "new_request"
+                MIGRATIONS.labels(opts.model, migration_type).inc()
+                failed_at = time.monotonic()
+                if routed is not None:
+                    excluded.append(routed.worker_id)
+                _log.info(
+                    "migrating request",
+                    rid=original.rid,
+                    worker=routed.worker_id if routed else None,
+                    error=error.code,
+                    generated=len(generated),
+                )
+                request = _continuation(original, generated)
+
+    async def _attempt(
+        self, routed: Routed, request: PreprocessedRequest, deadline: float
+    ) -> AsyncIterator[EngineOutput]:
+        opts = self.options
+        async with routed.engine.stream(request, buffer=opts.buffer) as outputs:
+            try:
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise RequestTimeout(f"request exceeded {opts.request_timeout} s")
+                    with anyio.move_on_after(min(opts.stall_timeout, left)) as scope:
+                        try:
+                            output = await outputs.receive()
+                        except StopAsyncIteration:
+                            return
+                    if scope.cancelled_caught:
+                        if left <= opts.stall_timeout:
+                            raise RequestTimeout(f"request exceeded {opts.request_timeout} s")
+                        raise StreamStalled(
+                            f"no output for {opts.stall_timeout} s from {routed.worker_id}"
+                        )
+                    yield output
+            finally:
+                self._done(routed)
+
+    def _done(self, routed: Routed) -> None:
+        # Fire and forget: this runs while a cancellation may be unwinding us.
+        try:
+            self.router.tell_nowait(routed.done())
+        except ActorError:
+            pass
+
+
+def _typed(exc: BaseException) -> RequestError:
+    if isinstance(exc, RequestError):
+        return exc
+    # The engine actor died, is restarting or went away: a failure of the worker.
+    return EngineFailure(str(exc))
+
+
+def _refuse_migration(request: PreprocessedRequest) -> str | None:
+    if request.sampling_options.n > 1:
+        return "n > 1: per-choice state cannot be carried over"
+    if request.sampling_options.guided_decoding:
+        return "guided decoding: the grammar state would restart"
+    return None
+
+
+def _continuation(original: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
+    """The request that continues ``original`` after ``generated`` tokens elsewhere."""
+    stop = original.stop_conditions
+    done = len(generated)
+    conditions = StopConditions(
+        max_tokens=None if stop.max_tokens is None else max(0, stop.max_tokens - done),
+        min_tokens=None if stop.min_tokens is None else max(0, stop.min_tokens - done),
+        stop=stop.stop,
+        stop_token_ids=stop.stop_token_ids,
+        ignore_eos=stop.ignore_eos,
+    )
+    return msgspec.structs.replace(
+        original,
+        token_ids=[*original.token_ids, *generated],
+        stop_conditions=conditions,
+        bootstrap_info=None,
+    )
+
+
+def _final(
+    output: EngineOutput, original: PreprocessedRequest, generated: list[int]
+) -> EngineOutput:
+    """The terminal output, with usage counted against the client's own prompt."""
+    cached = output.usage.cached_tokens if output.usage is not None else None
+    usage = Usage(
+        prompt_tokens=len(original.token_ids),
+        completion_tokens=len(generated),
+        cached_tokens=cached,
+    )
+    return msgspec.structs.replace(output, usage=usage)

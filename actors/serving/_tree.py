@@ -1,0 +1,167 @@
+"""The supervision tree ``actorserve run`` builds (see ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors import Actor, current_registry
+from actors.frontend import ByteTokenizer, HFTokenizer, ModelInfo, Tokenizer, create_app, serve
+from actors.process import ProcessOptions
+from actors.serving._config import ServeConfig
+from actors.serving._request import RequestStream, StreamOptions
+from actors.serving._router import Router
+from actors.serving._routing import Role, RoutingTable
+from actors.serving._service import ModelService
+from actors.telemetry import REGISTRY
+from actors.worker import HealthOptions, worker_spec
+from supervisors import ChildSpec, Restart, Strategy, Supervisor, SupervisorFlags, SupervisorRef
+
+__all__ = ["Frontend", "Serving", "build_tree"]
+
+
+class Serving:
+    """What a built tree shares: the routing view and the served model's description."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        roles: dict[str, Role] = {}
+        if config.mode == "disaggregated":
+            roles.update({f"prefill-{i}": "prefill" for i in range(config.prefill_workers)})
+            roles.update({f"decode-{i}": "decode" for i in range(config.decode_workers)})
+        else:
+            roles.update({f"decode-{i}": "aggregated" for i in range(config.decode_workers)})
+        self.roles = roles
+        self.table = RoutingTable(roles)
+        self.tokenizer: Tokenizer = (
+            HFTokenizer(config.tokenizer) if config.tokenizer else ByteTokenizer()
+        )
+        self.port: int | None = None
+
+    @property
+    def router_name(self) -> str:
+        return f"{self.config.model}/router"
+
+    @property
+    def streams_name(self) -> str:
+        return f"{self.config.model}/streams"
+
+    def engine_config(self, role: str) -> bytes:
+        cfg = self.config
+        args = dict(cfg.engine_args)
+        if cfg.backend == "mock":
+            from actors.engines import MockEngineConfig
+
+            tokenizer = self.tokenizer
+            args.setdefault(
+                "eos_token_id", tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 2
+            )
+            args.setdefault("model", cfg.model)
+            args["role"] = role
+            return msgspec.msgpack.encode(msgspec.convert(args, MockEngineConfig))
+        if cfg.backend == "hf":
+            from actors.engines._hf import HFEngineConfig
+
+            args["role"] = role
+            return msgspec.msgpack.encode(msgspec.convert(args, HFEngineConfig))
+        return msgspec.msgpack.encode({"server_args": args, "role": role})
+
+    def context_length(self) -> int:
+        return int(self.config.engine_args.get("context_length", 32768))
+
+
+class Frontend(Actor):
+    """Serves the OpenAI-compatible API for the model's service."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def started(self) -> None:
+        serving = self.serving
+        cfg = serving.config
+        streams = current_registry().whereis(serving.streams_name)
+        if streams is None:
+            raise LookupError(f"no {serving.streams_name!r} supervisor")
+        model = ModelInfo(cfg.model, serving.context_length(), serving.tokenizer)
+        app = create_app(
+            ModelService(model, SupervisorRef(streams), serving.table),
+            REGISTRY,
+            max_inflight=cfg.max_inflight,
+        )
+        serving.port = await self.task_group.start(serve, app, cfg.host, cfg.port)
+
+
+def _pool(serving: Serving, role: str) -> ChildSpec:
+    cfg = serving.config
+    ids = [wid for wid, r in serving.roles.items() if (r == "prefill") == (role == "prefill")]
+    process = ProcessOptions(heartbeat_timeout=cfg.heartbeat_timeout)
+    health = HealthOptions(idle_after=cfg.health_idle_after)
+    engine_role = serving.roles[ids[0]]
+    workers = [
+        worker_spec(
+            wid,
+            cfg.backend,
+            serving.engine_config(engine_role),
+            process=process,
+            health=health,
+            directory=serving.table,
+            sink=serving.table,
+        )
+        for wid in ids
+    ]
+    name = f"{role}-pool"
+
+    def start() -> Supervisor:
+        return Supervisor(
+            workers,
+            SupervisorFlags(Strategy.ONE_FOR_ONE, intensity=len(workers) * 3, period=60),
+            name=name,
+        )
+
+    return ChildSpec(name, start, kind="supervisor")
+
+
+def build_tree(serving: Serving) -> list[ChildSpec]:
+    """The root's children: the model subtree, then the frontend."""
+    cfg = serving.config
+    pools = [_pool(serving, "decode")]
+    if cfg.mode == "disaggregated":
+        pools.insert(0, _pool(serving, "prefill"))
+    options = StreamOptions(
+        model=cfg.model,
+        migration_limit=cfg.migration_limit,
+        stall_timeout=cfg.stall_timeout,
+        request_timeout=cfg.request_timeout,
+    )
+
+    def stream() -> RequestStream:
+        router = current_registry().whereis(serving.router_name)
+        if router is None:
+            raise LookupError("no router")
+        return RequestStream(router, options)
+
+    streams = ChildSpec(
+        "streams",
+        lambda: Supervisor(
+            [ChildSpec("stream", stream, restart=Restart.TEMPORARY, shutdown=5.0)],
+            SupervisorFlags(Strategy.SIMPLE_ONE_FOR_ONE, intensity=1000, period=1),
+            name="streams",
+        ),
+        kind="supervisor",
+        name=serving.streams_name,
+    )
+    router = ChildSpec(
+        "router", lambda: Router(serving.table, cfg.router), name=serving.router_name
+    )
+    model_children = [*pools, router, streams]
+
+    def model() -> Supervisor:
+        return Supervisor(
+            model_children,
+            SupervisorFlags(Strategy.REST_FOR_ONE, intensity=3, period=60),
+            name=f"model:{cfg.model}",
+        )
+
+    return [
+        ChildSpec(f"model:{cfg.model}", model, kind="supervisor"),
+        ChildSpec("frontend", lambda: Frontend(serving), shutdown=10.0),
+    ]
