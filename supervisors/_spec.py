@@ -208,8 +208,6 @@ _converter.register_structure_hook_func(
 )
 
 
-
-
 def _strict(kind: type, accepts: Callable[[Any], bool]) -> None:
     """No silent coercion (cattrs would turn 1.5 into 1, "yes" into True, 5 into "5")."""
 

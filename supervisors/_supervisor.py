@@ -267,7 +267,9 @@ class Supervisor(Actor):
             group = [c for c in group if self._children.get(c.id) is c]
         await self._schedule_restart(failed, group)
 
-    async def _schedule_restart(self, failed: Child, group: list[Child], *, retry: bool = False) -> None:
+    async def _schedule_restart(
+        self, failed: Child, group: list[Child], *, retry: bool = False
+    ) -> None:
         for child in group:
             child.ref._cell.set_state(CellState.RESTARTING)
         backoff = failed.spec.backoff

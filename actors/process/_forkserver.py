@@ -124,6 +124,9 @@ def forkserver(preload: list[str]) -> ForkServer:
 def _serve() -> None:
     import importlib
 
+    # Ctrl-C reaches the whole process group: the root decides how its actors stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     for name in sys.argv[1:]:
         importlib.import_module(name)
     from actors.process._child import main as child_main

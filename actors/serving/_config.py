@@ -40,7 +40,7 @@ class ServeConfig:
     def __attrs_post_init__(self) -> None:
         if self.decode_workers < 1 or (self.mode == "disaggregated" and self.prefill_workers < 1):
             raise ValueError(
-                "need at least one decode (or aggregated) worker, and a prefill worker when disaggregated"
+                "need a decode (or aggregated) worker, and a prefill worker when disaggregated"
             )
         if self.migration_limit < 0:
             raise ValueError("migration_limit must be >= 0")
