@@ -6,9 +6,11 @@ This process is the prefill worker (its pool on cpu or cuda:0); a decode worker 
 process (``python -m actors.kv._peer``, its pool on cpu or cuda:1). Every transfer goes through
 the real path: decode allocates pages and sends the room's page list over the bootstrap channel,
 prefill WRITEs its pages with one NIXL transfer (runs coalesced) and one notification, decode
-receives the notification. The time measured is prefill's WRITE, from posting to NIXL's DONE
-(the bootstrap round trip is excluded); the first transfer of every configuration is verified
-(per-page checksums), the timed ones are not.
+receives the notification. The time measured is prefill's WRITE, from creating and posting the
+NIXL transfer to NIXL's DONE, when the KV and the notification are at decode (the bootstrap
+round trip before it and the handle's release after it are not counted; the release is shown
+apart); the first transfer of every configuration is verified (per-page checksums), the timed
+ones are not.
 
 Request sizes 1, 16, 64 and 256 MiB of KV at ``--bytes-per-token`` (default 131072: Llama-3-8B
 in bf16, 32 layers x 8 KV heads x 128 x 2 x 2 B), pages of 1, 16 and 64 tokens, in two layouts:
@@ -49,6 +51,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.kv import KVConfig, KVPool, NixlAgent, PrefillKV, bootstrap_info
+from actors.kv import _transfer as transfer_mod
 from actors.kv._bootstrap import pack_pages
 from actors.kv._peer import PeerProcess, Receive, Stats
 
@@ -59,8 +62,8 @@ LAYOUTS = ("contiguous", "scattered")
 
 
 def _iterations(size_mib: int, quick: bool) -> int:
-    base = {1: 40, 16: 20, 64: 10, 256: 6}[size_mib]
-    return max(3, base // 4) if quick else base
+    base = {1: 60, 16: 40, 64: 40, 256: 20}[size_mib]
+    return max(3, base // 8) if quick else base
 
 
 def _fill(pool: KVPool) -> None:
@@ -189,15 +192,25 @@ async def _run_page_size(
                     ceiling.time(nbytes)
                     times, copies = [], []
                     descs = 0
+                    transfer_mod.PROFILE = []
                     for _ in range(_iterations(size_mib, args.quick)):
                         seconds, descs = await _one_transfer(kv, proc, local, remote, False)
                         times.append(seconds)
                         copies.append(ceiling.time(nbytes))
                     med = statistics.median(times)
                     gbps = n * page_bytes / med / 1e9
+                    prof = transfer_mod.PROFILE or [(0.0, 0.0, 0.0, 0.0, 0)]
+                    transfer_mod.PROFILE = None
+                    make_us, post_us, poll_us, settle_us = (
+                        statistics.median(p[i] for p in prof) * 1e6 for i in range(4)
+                    )
+                    npolls = statistics.median(p[4] for p in prof)
                     print(
                         f"# {size_mib} MiB page {page_tokens} tok {layout}: {n} pages,"
-                        f" {descs} descs, {med * 1e3:.3f} ms, {gbps:.1f} GB/s",
+                        f" {descs} descs, {med * 1e3:.3f} ms, {gbps:.1f} GB/s; create"
+                        f" {make_us:.0f} us, post {post_us:.0f} us, poll {poll_us:.0f} us"
+                        f" ({npolls:g} polls),"
+                        f" release {settle_us:.0f} us",
                         file=sys.stderr,
                         flush=True,
                     )

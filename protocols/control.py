@@ -88,6 +88,9 @@ class EngineStats:
     last_output: float  # time.monotonic() of the last output (system-wide clock)
     released: tuple[MemoryTag, ...]
     quiescent: bool
+    kv_used_blocks: int = -1  # blocks held by requests (not the prefix cache); -1: unknown
+    engine_in_flight: int = -1  # requests the engine itself still tracks; -1: unknown
+    pid: int = 0  # the engine process
 
 
 for _cls in (

@@ -358,13 +358,36 @@ class Supervisor(Actor):
     async def _terminate_all(self) -> None:
         children = list(self._children.values())
         if self._dynamic:
-            async with anyio.create_task_group() as tg:
-                for child in children:
-                    tg.start_soon(self._terminate, child)
+            await self._terminate_parallel(children)
         else:
             for child in reversed(children):
                 await self._terminate(child)
         self._release(children)
+
+    async def _terminate_parallel(self, children: list[Child]) -> None:
+        """OTP stops simple_one_for_one children in parallel: all are asked to stop at once and
+        share the template's shutdown timeout, then what is left is killed (no task per child:
+        there may be 100k of them)."""
+        running = [(child, child.inc) for child in children if child.inc is not None]
+        timeout = self._specs[0].shutdown_timeout
+        for child, inc in running:
+            child.terminating = True
+            if timeout <= 0:
+                inc.kill(ExitReason.killed())
+            else:
+                inc.request_stop(ExitReason.shutdown())
+        with anyio.move_on_after(timeout):
+            for _, inc in running:
+                if not inc.finished.is_set():
+                    await inc.finished.wait()
+        for _, inc in running:
+            inc.kill(ExitReason.killed("shutdown timeout"))  # a no-op for those that exited
+        for child, inc in running:
+            if not inc.finished.is_set():
+                await inc.finished.wait()
+            child.terminating = False
+            child.inc = None
+            emit(self.name, child.label, "terminated", reason=str(inc.exit_reason))
 
     def _release(self, children: Iterable[Child]) -> None:
         """The children's refs end dead and their names are freed."""
@@ -390,15 +413,19 @@ class Supervisor(Actor):
     # -- administration ------------------------------------------------------------------------
 
     def _find(self, key: api.ChildKey) -> Child:
-        if isinstance(key, ActorRef):
-            for child in self._children.values():
-                if child.ref == key:
-                    return child
+        # A child's ref is named "<supervisor>/<id>": a lookup by ref is O(1) too (terminating
+        # request streams one by one must not be quadratic).
+        prefix = f"{self.name}/"
+        if isinstance(key, str):
+            child_id: str | None = key
+        elif isinstance(key, ActorRef) and key.name.startswith(prefix):
+            child_id = key.name[len(prefix) :]
         else:
-            child = self._children.get(key)  # type: ignore[assignment]
-            if child is not None:
-                return child
-        raise ChildNotFound(key)
+            child_id = None
+        child = self._children.get(child_id) if child_id is not None else None
+        if child is None or (isinstance(key, ActorRef) and child.ref != key):
+            raise ChildNotFound(key)
+        return child
 
     async def _start_child(
         self, spec: ChildSpec | None, args: tuple[Any, ...]

@@ -157,7 +157,7 @@ class _Frontend:
     ) -> None:
         self.backend = backend
         self.registry = registry
-        self.metrics = FrontendMetrics(registry)
+        self.metrics = FrontendMetrics.on(registry)
         self.max_inflight = max_inflight
         self.retry_after_s = retry_after_s
         self.ping_interval_s = ping_interval_s

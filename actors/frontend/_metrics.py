@@ -8,7 +8,8 @@ no served model (so bad requests cannot blow up the label cardinality).
 from __future__ import annotations
 
 import time
-from typing import Any
+import weakref
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -28,7 +29,22 @@ _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 6553
 
 
 class FrontendMetrics:
-    """The frontend's metric families, registered once on ``registry``."""
+    """The frontend's metric families, registered once on ``registry``.
+
+    :meth:`on` returns the families already registered there, so a restarted frontend (or a
+    second app in one process) shares them instead of failing on duplicate metrics.
+    """
+
+    _by_registry: ClassVar[weakref.WeakKeyDictionary[CollectorRegistry, FrontendMetrics]] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    @classmethod
+    def on(cls, registry: CollectorRegistry) -> FrontendMetrics:
+        metrics = cls._by_registry.get(registry)
+        if metrics is None:
+            metrics = cls._by_registry[registry] = cls(registry)
+        return metrics
 
     def __init__(self, registry: CollectorRegistry) -> None:
         def name(n: str) -> str:

@@ -13,6 +13,29 @@ Pieces, from the bottom up:
 
 Failures are :mod:`protocols.errors` types: :class:`~protocols.errors.KVTransferError`
 (migratable) and :class:`~protocols.errors.KVCorrupted`. Wire messages: :mod:`protocols.kv`.
+
+Prefill worker (one service per worker, for its lifetime)::
+
+    pool = KVPool.from_buffer(engine_kv_buffer, page_bytes)   # or KVPool.allocate(...)
+    agent = NixlAgent(prefix="prefill-0")                     # after CUDA is initialised
+    async with PrefillKV(agent, pool, endpoint="tcp://127.0.0.1:0") as kv:
+        ...
+        with kv.open_room(room) as r:          # register first,
+            publish(r.bootstrap)               # then hand out (host, port, room)
+            pages = compute_kv(request)        # engine's pages in ``pool``
+            await r.send(pages)                # WRITE + notification; terminal on return
+        free(pages)
+        ...
+        await kv.wait_transfers_done(timeout)  # shutdown drain, before freeing memory
+
+Decode worker::
+
+    async with DecodeKV(agent, pool, worker_id="decode-0") as kv:
+        await kv.connect(prefill_endpoint)     # when the peers first meet (pre-warm)
+        ...
+        pages = pool.alloc(n)
+        got = await kv.receive(request.bootstrap_info, pages, expected_checksums=...)
+        # on error or cancellation ``pages`` belong to the service, which frees them safely
 """
 
 from actors.kv._bootstrap import (

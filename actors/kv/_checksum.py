@@ -46,7 +46,7 @@ def page_checksums(pool: KVPool, pages: npt.NDArray[np.int64]) -> npt.NDArray[np
     """Checksums of ``pages`` of ``pool``, in the given order."""
     host = pool.host_view
     if host is not None:
-        from actors.kv._pool import runs
+        from actors.kv._alloc import runs
 
         w = _weights(pool.page_bytes // 8)
         # Run by run: no gather copy; a contiguous run is one matrix-vector product.

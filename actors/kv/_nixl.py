@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import sys
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -163,6 +164,9 @@ class NixlAgent:
         self._dlists: set[DlistHandle] = set()
         self._posted = 0
         self._replaced = 0
+        self._made = 0.0
+        self.last_post: tuple[float, float] = (0.0, 0.0)
+        """Seconds the last transfer took to create and to post (a benchmark probe)."""
         self._closed = False
 
     # -- memory -----------------------------------------------------------------------------
@@ -258,6 +262,7 @@ class NixlAgent:
         ``notif``, the remote agent receives it once the data has landed.
         """
         self._check_open()
+        t0 = time.perf_counter()
         ldescs = _call("get_xfer_descs", self._agent.get_xfer_descs, local, local_mem)
         rdescs = _call("get_xfer_descs", self._agent.get_xfer_descs, remote, remote_mem)
         # No local may hold the binding's handle: an error's traceback keeps this frame, and
@@ -274,11 +279,13 @@ class NixlAgent:
             ),
             remote_agent,
         )
+        self._made = time.perf_counter() - t0
         return self._start(handle)
 
     def _start(self, handle: XferHandle) -> tuple[XferHandle, XferState]:
         self._xfers.add(handle)
         self._posted += 1
+        t0 = time.perf_counter()
         try:
             state: XferState = _call(
                 f"transfer to {handle.remote!r}", self._agent.transfer, handle._handle
@@ -286,6 +293,7 @@ class NixlAgent:
         except NixlError as exc:
             error = exc
         else:
+            self.last_post = (self._made, time.perf_counter() - t0)
             return handle, state
         # Posting failed (peer gone): let UCX finish the request before releasing it.
         for _ in range(100):
@@ -333,6 +341,7 @@ class NixlAgent:
     ) -> tuple[XferHandle, XferState]:
         """Create and post one WRITE of ``local[local_idx]`` into ``remote[remote_idx]``."""
         self._check_open()
+        t0 = time.perf_counter()
         handle = XferHandle(
             _call(
                 f"make_prepped_xfer to {remote.agent_name!r}",
@@ -346,6 +355,7 @@ class NixlAgent:
             ),
             remote.agent_name,
         )
+        self._made = time.perf_counter() - t0
         return self._start(handle)
 
     def state(self, handle: XferHandle) -> XferState:

@@ -23,24 +23,22 @@ from dataclasses import dataclass
 import anyio
 import anyio.abc
 import msgspec
-import numpy as np
-import numpy.typing as npt
 import zmq
 
 from actors._zmq import AsyncSocket
 from actors.kv._bootstrap import KVConfig, check_room, new_room, unpack_pages
 from actors.kv._channel import Channel
-from actors.kv._nixl import DlistHandle, NixlAgent, NixlError
+from actors.kv._link import PeerLinks
+from actors.kv._nixl import NixlAgent, NixlError
 from actors.kv._pool import KVPool
 from actors.kv._room import DecodeCancelled, PrefillPeer, PrefillRoom, TransferRequestRecord
-from actors.kv._transfer import TransferAborted, page_table, probe_peer
+from actors.kv._transfer import TransferAborted
 from protocols.errors import KVTransferError
 from protocols.kv import (
     BootstrapMessage,
     CancelRoom,
     Goodbye,
     Hello,
-    KVMemoryDesc,
     Ping,
     Pong,
     Reject,
@@ -100,8 +98,7 @@ class PrefillKV:
         self._bind = endpoint
         self.endpoint = endpoint
         self._chan: Channel | None = None
-        self._scratch: _Scratch | None = None
-        self._dlist: DlistHandle | None = None  # the local pool's pages, prepared once
+        self._links: PeerLinks | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._rooms: dict[int, PrefillRoom] = {}
         self._early: dict[int, TransferRequestRecord] = {}
@@ -116,10 +113,7 @@ class PrefillKV:
     async def __aenter__(self) -> PrefillKV:
         self._changed = anyio.Event()
         self.pool.register(self.agent)
-        self._scratch = _Scratch(self.agent, self.pool)
-        if self.config.prepared_dlists:
-            mine = self.pool.memory_desc()
-            self._dlist = self.agent.prep_dlist(page_table(mine), mine.mem_type)
+        self._links = PeerLinks(self.agent, self.pool, prepare=self.config.prepared_dlists)
         sock = AsyncSocket.create(zmq.ROUTER, ROUTER_HANDOVER=1, SNDHWM=0, RCVHWM=0)
         try:
             self.endpoint = sock.bind(self._bind)
@@ -148,12 +142,9 @@ class PrefillKV:
         for peer in [*self._peers.values(), *self._dying]:
             self._forget(peer)
         self._dying.clear()
-        if self._dlist is not None:
-            self.agent.release_dlist(self._dlist)
-            self._dlist = None
         self._chan.close()
-        if self._scratch is not None:
-            self._scratch.close()
+        if self._links is not None:
+            self._links.close()
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -277,31 +268,17 @@ class PrefillKV:
                     while old.inflight:
                         await self._wait_changed()
                 self._forget(old)
+        assert self._links is not None
         try:
-            self.agent.add_remote(hello.agent_metadata, hello.agent_name)
+            dlist = await self._links.connect(
+                hello.agent_metadata,
+                hello.agent_name,
+                hello.memory,
+                timeout=self.config.settle_timeout,
+            )
         except NixlError as exc:
             self._send(rid, Reject(reason=str(exc)))
             return
-        if self._scratch is not None:
-            # Wire the connection up now: a request's first WRITE must not pay for it.
-            await probe_peer(
-                self.agent,
-                self._scratch.descs(hello.memory.page_bytes),
-                self._scratch.memory,
-                hello.memory,
-                hello.agent_name,
-                timeout=self.config.settle_timeout,
-            )
-        dlist = None
-        if self.config.prepared_dlists:
-            try:
-                dlist = self.agent.prep_dlist(
-                    page_table(hello.memory), hello.memory.mem_type, hello.agent_name
-                )
-            except NixlError as exc:
-                self.agent.remove_remote(hello.agent_name)
-                self._send(rid, Reject(reason=str(exc)))
-                return
         self._peers[rid] = PrefillPeer(
             routing_id=rid,
             worker_id=hello.worker_id,
@@ -403,11 +380,9 @@ class PrefillKV:
     def _forget(self, peer: PrefillPeer) -> None:
         if self._peers.get(peer.routing_id) is peer:
             del self._peers[peer.routing_id]
-        if not self.agent.closed:
-            if peer.dlist is not None:
-                self.agent.release_dlist(peer.dlist)  # before its agent goes
-                peer.dlist = None
-            self.agent.remove_remote(peer.agent_name)
+        if self._links is not None:
+            self._links.disconnect(peer.agent_name, peer.dlist)
+            peer.dlist = None
 
     def _transfer_started(self, peer: PrefillPeer) -> None:
         peer.inflight += 1
@@ -463,39 +438,3 @@ class PrefillKV:
         if self._changed is not None:
             self._changed.set()
             self._changed = anyio.Event()
-
-
-class _Scratch:
-    """A few registered bytes, of the pool's memory kind, that warm-up READs land in."""
-
-    SIZE = 64
-
-    def __init__(self, agent: NixlAgent, pool: KVPool) -> None:
-        self._agent = agent
-        self._keep: object
-        if pool.mem_type == "DRAM":
-            buf = np.zeros(self.SIZE, dtype=np.uint8)
-            addr = int(buf.ctypes.data)
-            self._keep = buf
-        else:
-            import torch
-
-            tensor = torch.zeros(self.SIZE, dtype=torch.uint8, device=f"cuda:{pool.device_id}")
-            addr = int(tensor.data_ptr())
-            self._keep = tensor
-        self.memory = KVMemoryDesc(
-            mem_type=pool.mem_type,
-            device_id=pool.device_id,
-            base_addr=addr,
-            num_pages=1,
-            page_bytes=self.SIZE,
-        )
-        self._reg = agent.register(addr, self.SIZE, pool.mem_type, pool.device_id)
-
-    def descs(self, peer_page_bytes: int) -> npt.NDArray[np.uint64]:
-        size = min(self.SIZE, peer_page_bytes)
-        return np.array([[self.memory.base_addr, size, self.memory.device_id]], dtype=np.uint64)
-
-    def close(self) -> None:
-        if not self._agent.closed:
-            self._agent.deregister(self._reg)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -83,7 +82,7 @@ class TransferResult:
     pages: int
     nbytes: int
     descriptors: int
-    seconds: float  # the WRITE, from posting to NIXL's DONE
+    seconds: float  # the WRITE, from posting to NIXL's DONE (KV and notification delivered)
 
 
 class PrefillRoom:
@@ -154,9 +153,8 @@ class PrefillRoom:
         kv._transfer_started(req.peer)
         kv._send(req.peer.routing_id, Writing(room=self.room))
         cfg = kv.config
-        start = time.perf_counter()
         try:
-            await write_pages(
+            seconds = await write_pages(
                 kv.agent,
                 start_write,
                 req.peer.agent_name,
@@ -188,7 +186,7 @@ class PrefillRoom:
             pages=int(local.size),
             nbytes=nbytes,
             descriptors=ndescs,
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
         )
 
     def _plan(
@@ -206,7 +204,8 @@ class PrefillRoom:
         if local.size == 0 or int(local.min()) < 0 or int(local.max()) >= mine.num_pages:
             raise ValueError("page index out of the prefill pool's range")
         nbytes = int(local.size) * mine.page_bytes
-        agent, local_list, remote_list = kv.agent, kv._dlist, req.peer.dlist
+        local_list = kv._links.local if kv._links is not None else None
+        agent, remote_list = kv.agent, req.peer.dlist
         if local_list is not None and remote_list is not None:
             lidx = local.astype(np.int32)
             ridx = req.pages.astype(np.int32)

@@ -106,8 +106,11 @@ async def write_pages(
     spin_s: float = 0.02,
     yields: bool = False,
     settle_timeout: float = 5.0,
-) -> None:
+) -> float:
     """Post a WRITE (``start()``) to ``remote_agent`` and wait until NIXL reports it done.
+
+    Returns the seconds from posting to NIXL's DONE: the data and the notification are at the
+    target then; releasing the handle afterwards is bookkeeping that delays nobody.
 
     Raises :class:`~protocols.errors.KVTransferError` on a NIXL error or after ``timeout``, and
     :class:`TransferAborted` once ``abort`` is set. In every case, cancellation included, it
@@ -115,10 +118,13 @@ async def write_pages(
     without sleeping for ``spin_s`` (yielding the CPU between polls if ``yields``), then backs
     off.
     """
+    t0 = time.perf_counter()
     try:
         handle, state = start()
     except NixlError as exc:
         raise KVTransferError(f"WRITE to {remote_agent} could not be posted: {exc}") from exc
+    t1 = time.perf_counter()
+    polls = 0
     try:
         begin = time.monotonic()
         deadline = begin + timeout
@@ -138,11 +144,23 @@ async def write_pages(
                     yield_cpu()
                 await anyio.lowlevel.checkpoint()
             state = agent.state(handle)
+            polls += 1
         if state == "ERR":
             raise KVTransferError(f"WRITE to {remote_agent} failed")
+        t2 = time.perf_counter()
+        return t2 - t0
     finally:
+        t2 = time.perf_counter()
         with anyio.CancelScope(shield=True):
             await _settle(agent, handle, settle_timeout)
+        if PROFILE is not None:
+            make, post = agent.last_post
+            PROFILE.append((make, post, t2 - t1, time.perf_counter() - t2, polls))
+
+
+PROFILE: list[tuple[float, float, float, float, int]] | None = None
+"""When a list, each WRITE appends (create s, post s, poll s, release s, polls): a probe for
+benchmarks."""
 
 
 def count_runs(local_pages: npt.NDArray[np.int64], remote_pages: npt.NDArray[np.int64]) -> int:

@@ -22,8 +22,8 @@ from actors._mailbox import ASK_ABORTABLE, STREAM, TELL
 from actors._ref import ActorRef, Cell, CellState
 from actors._runtime import Incarnation
 from actors._stream import StreamChannel
-from actors.process import _frames as f
 from actors._zmq import context
+from actors.process import _frames as f
 from actors.process._link import Link
 from protocols import codec
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import sniffio
 import zmq
 
+from actors._errors import ActorError
 from actors._zmq import context, has_input
 
 __all__ = ["Link", "LinkBroken"]
@@ -21,8 +22,9 @@ __all__ = ["Link", "LinkBroken"]
 FrameHandler = Callable[[list[bytes]], None]
 
 
-class LinkBroken(ConnectionError):
-    """The socket failed or was closed under us."""
+class LinkBroken(ActorError, ConnectionError):
+    """The socket to a process actor failed or was closed under us: a typed actor error, so
+    callers treat it as the actor being gone."""
 
 
 class Link:

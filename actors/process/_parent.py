@@ -8,6 +8,7 @@ deadlock, a dead socket) is caught by the heartbeat timeout and killed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import select
@@ -21,14 +22,14 @@ import msgspec
 
 from actors._actor import Actor
 from actors._backend import Reply, backend
-from actors._errors import ActorCrashed
+from actors._errors import ActorCrashed, ActorNotRunning
 from actors._exit import ExitReason
 from actors._mailbox import ASK, STREAM, TELL, Item
 from actors._ref import crash_error
 from actors._stream import StreamChannel
 from actors.process import _frames as f
 from actors.process._child import ChildOptions
-from actors.process._link import Link, new_endpoint
+from actors.process._link import Link, LinkBroken, new_endpoint
 from actors.process._spawn import exit_code, start_process
 from protocols import codec
 
@@ -81,6 +82,8 @@ class _Forwarder:
     def put_nowait(self, item: Item) -> None:
         kind, message, extra = item
         owner = self._owner
+        if owner.wire.socket.closed:
+            raise ActorNotRunning(owner.ref.name)
         body = codec.encode(message)
         self.put_count += 1
         if kind == ASK:
@@ -105,7 +108,8 @@ class _Forwarder:
             if pending is reply:
                 del owner.asks[corr]
                 if not owner.wire.socket.closed:
-                    owner.wire.send([f.header(f.CANCEL, corr), b""])
+                    with contextlib.suppress(LinkBroken):
+                        owner.wire.send([f.header(f.CANCEL, corr), b""])
                 return
 
     async def put(self, item: Item) -> bool:
@@ -126,16 +130,22 @@ class _Credit:
 
     def consumed(self) -> None:
         self._taken += 1
-        if self._taken >= self._window and self._corr in self._owner.streams:
-            self._owner.wire.send([f.header(f.CREDIT, self._corr), self._taken.to_bytes(4, "big")])
+        owner = self._owner
+        if (
+            self._taken >= self._window
+            and self._corr in owner.streams
+            and not owner.wire.socket.closed
+        ):
+            # Credit is best effort: if the process is gone, the stream fails on its own.
+            with contextlib.suppress(LinkBroken):
+                owner.wire.send([f.header(f.CREDIT, self._corr), self._taken.to_bytes(4, "big")])
             self._taken = 0
 
     def cancelled(self) -> None:
-        if (
-            self._owner.streams.pop(self._corr, None) is not None
-            and not self._owner.wire.socket.closed
-        ):
-            self._owner.wire.send([f.header(f.CANCEL, self._corr), b""])
+        owner = self._owner
+        if owner.streams.pop(self._corr, None) is not None and not owner.wire.socket.closed:
+            with contextlib.suppress(LinkBroken):
+                owner.wire.send([f.header(f.CANCEL, self._corr), b""])
 
 
 class ProcessActor(Actor):

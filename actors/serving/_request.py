@@ -11,6 +11,7 @@ timeout and the whole request within its deadline, so no request hangs after a w
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -76,8 +77,9 @@ class RequestStream(Actor):
         if not isinstance(message, PreprocessedRequest):
             raise TypeError(f"expected a PreprocessedRequest, got {type(message).__name__}")
         try:
-            async for output in self._serve(message):
-                yield output
+            async with aclosing(self._serve(message)) as outputs:
+                async for output in outputs:
+                    yield output
         except anyio.get_cancelled_exc_class():
             CANCELLATIONS.labels(self.options.model).inc()
             raise
@@ -100,17 +102,18 @@ class RequestStream(Actor):
             routed: Routed | None = None
             try:
                 routed = await self.router.ask(Route(request, tuple(excluded)))
-                async for output in self._attempt(routed, request, deadline):
-                    if failed_at is not None:
-                        MIGRATION_SECONDS.labels(opts.model, migration_type, "success").observe(
-                            time.monotonic() - failed_at
-                        )
-                        failed_at = None
-                    generated.extend(output.token_ids)
-                    if output.finish_reason is not None:
-                        yield _final(output, original, generated)
-                        return
-                    yield output
+                async with aclosing(self._attempt(routed, request, deadline)) as outputs:
+                    async for output in outputs:
+                        if failed_at is not None:
+                            MIGRATION_SECONDS.labels(opts.model, migration_type, "success").observe(
+                                time.monotonic() - failed_at
+                            )
+                            failed_at = None
+                        generated.extend(output.token_ids)
+                        if output.finish_reason is not None:
+                            yield _final(output, original, generated)
+                            return
+                        yield output
                 raise StreamIncomplete("the engine stream ended without a finish reason")
             except (RequestError, ActorError) as exc:
                 error = _typed(exc)

@@ -6,6 +6,7 @@ takes down only this process. It is the only caller of the engine's ``cleanup``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -95,12 +96,16 @@ class EngineHost(Actor):
                 return engine.health_payload()
             case c.GetStats():
                 released = getattr(engine, "released_tags", ())
+                native = engine.statistics() if hasattr(engine, "statistics") else None
                 return c.EngineStats(
                     running=self.running,
                     finished=self.finished,
                     last_output=self.last_output,
                     released=tuple(released() if callable(released) else released),
                     quiescent=engine.is_quiescent(),
+                    kv_used_blocks=getattr(native, "used_blocks", -1),
+                    engine_in_flight=getattr(native, "in_flight", -1),
+                    pid=os.getpid(),
                 )
             case _:
                 return await super().receive(message)

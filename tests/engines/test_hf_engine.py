@@ -74,6 +74,7 @@ class Reference:
 def ref() -> Iterator[Reference]:
     from transformers import AutoTokenizer
 
+    threads_before = torch.get_num_threads()  # process-wide: give it back to other modules
     torch.set_num_threads(THREADS)
     files = find_smollm2()  # converts on the very first run on a machine, then reads the cache
     tokenizer = AutoTokenizer.from_pretrained(str(files.tokenizer_path))
@@ -98,6 +99,7 @@ def ref() -> Iterator[Reference]:
     del model, cache
     gc.collect()  # the release/resume test measures this process's RSS
     yield Reference(files, tokenizer, prompts, greedy, cache_k, cache_v)
+    torch.set_num_threads(threads_before)
 
 
 def config(**kw: Any) -> HFEngineConfig:
@@ -106,8 +108,7 @@ def config(**kw: Any) -> HFEngineConfig:
 
 @asynccontextmanager
 async def started(**kw: Any) -> AsyncIterator[HFEngine]:
-    # A context manager rather than an async fixture: on asyncio, anyio's runner task of an
-    # async fixture's teardown looks like a leaked task to the suite's leak check.
+    # One engine per test, inside the test: an engine belongs to the event loop it started on.
     eng = HFEngine(config(**kw))
     try:
         await eng.start()
@@ -336,6 +337,11 @@ async def test_health_payload_and_validation(ref: Reference) -> None:
             await collect(engine.generate(req("empty", [])))
         with pytest.raises(InvalidRequest):
             await collect(engine.generate(req("vocab", [10**7])))
+        with pytest.raises(InvalidRequest):
+            two = msgspec.structs.replace(
+                req("n", ref.prompts[0]), sampling_options=SamplingOptions(n=2)
+            )
+            await collect(engine.generate(two))
         assert await engine.flush_cache()
 
 

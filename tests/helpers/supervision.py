@@ -156,7 +156,9 @@ async def crash(ref: ActorRef[Any], sup: SupervisorRef | None = None) -> Down:
     return down
 
 
-async def exit_with(ref: ActorRef[Any], reason: ExitReason, sup: SupervisorRef | None = None) -> Down:
+async def exit_with(
+    ref: ActorRef[Any], reason: ExitReason, sup: SupervisorRef | None = None
+) -> Down:
     """Make ``ref`` exit by itself with ``reason``; return its Down (see :func:`crash`)."""
     monitor = ref.monitor()
     await ref.tell(("exit", reason))

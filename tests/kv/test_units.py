@@ -162,7 +162,7 @@ def test_agent_replaces_a_stale_remote_agent_of_the_same_name_and_releases_all()
 
 def test_a_tensor_held_pool_takes_the_gpu_code_paths_and_agrees() -> None:
     # The GPU pool's code (views, gathers, checksums through torch) run on a CPU tensor.
-    from actors.kv._peer import _read_pages, fill_pattern
+    from actors.kv._peer import fill_pattern, read_pages
 
     tensor = torch.zeros(16 * 256, dtype=torch.uint8)
     pool = KVPool(
@@ -178,5 +178,5 @@ def test_a_tensor_held_pool_takes_the_gpu_code_paths_and_agrees() -> None:
     pages = np.array([9, 3, 4, 12], dtype=np.int64)
     fill_pattern(pool, pages, seed=5)
     want = pattern_pages(5, 4, 256)
-    assert np.array_equal(_read_pages(pool, pages), want)
+    assert np.array_equal(read_pages(pool, pages), want)
     assert np.array_equal(page_checksums(pool, pages), checksums_of(want))

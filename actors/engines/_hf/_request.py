@@ -37,6 +37,9 @@ def build_seq(request: PreprocessedRequest, limits: Limits) -> Seq:
         raise InvalidRequest("the prompt has no tokens")
     if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
         raise InvalidRequest("a prompt token id is outside the vocabulary")
+    opts = request.sampling_options
+    if opts.n != 1 or opts.guided_decoding is not None:
+        raise InvalidRequest("the hf engine serves one choice (n=1) without guided decoding")
     stop = request.stop_conditions
     context = limits.context_length
     room = context - len(prompt)
@@ -55,7 +58,7 @@ def build_seq(request: PreprocessedRequest, limits: Limits) -> Seq:
     return Seq(
         rid=request.rid,
         prompt=prompt,
-        params=SamplingParams.from_options(request.sampling_options),
+        params=SamplingParams.from_options(opts),
         max_tokens=max_tokens,
         min_tokens=stop.min_tokens or 0,
         stop_ids=frozenset(eos | set(stop.stop_token_ids or ())),

@@ -1,0 +1,63 @@
+"""Start the serving tree in the test's own event loop (mock engines in child processes)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import attrs
+
+from actors import ActorRef, current_registry
+from actors.serving import ServeConfig, Serving, build_tree
+from actors.worker import engine_name
+from protocols import control
+from supervisors import SupervisorFlags, SupervisorRef, open_supervisor
+
+FAST_ENGINE: dict[str, Any] = {
+    "timing": {"speedup": 20.0},
+    "num_blocks": 2048,
+    "block_size": 16,
+    "context_length": 4096,
+    "kv_bytes_per_block": 256,
+    "weights_bytes": 1 << 20,
+}
+
+
+@attrs.define
+class Tree:
+    root: SupervisorRef
+    serving: Serving
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.serving.port}"
+
+    def engine(self, worker_id: str) -> ActorRef[Any]:
+        ref = current_registry().whereis(engine_name(worker_id))
+        assert ref is not None
+        return ref
+
+    async def engine_stats(self, worker_id: str) -> control.EngineStats:
+        stats: control.EngineStats = await self.engine(worker_id).ask(control.GetStats())
+        return stats
+
+    async def wait_ready(self, workers: int | None = None, timeout: float = 30) -> None:
+        want = workers if workers is not None else len(self.serving.roles)
+        with anyio.fail_after(timeout):
+            while sum(w.routable for w in self.serving.table.workers.values()) < want:
+                await anyio.sleep(0.02)
+
+
+@asynccontextmanager
+async def serving_tree(**overrides: Any) -> AsyncIterator[Tree]:
+    engine_args = {**FAST_ENGINE, **overrides.pop("engine_args", {})}
+    config = ServeConfig(port=0, engine_args=engine_args, **overrides)
+    serving = Serving(config)
+    async with open_supervisor(
+        build_tree(serving), SupervisorFlags(intensity=10, period=60)
+    ) as root:
+        tree = Tree(root, serving)
+        await tree.wait_ready()
+        yield tree

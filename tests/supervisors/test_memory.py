@@ -1,0 +1,84 @@
+"""OTP's count_children_memory / do_not_save_*_for_temporary_children / "no memory leak with
+many temporary children": 20k temporary children start and finish, the child table returns to
+empty and traced memory stays bounded."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from typing import Any
+
+import anyio
+import pytest
+
+from actors import Actor, ExitReason
+from supervisors import ChildCount, ChildSpec, Restart, Strategy, SupervisorFlags, open_supervisor
+
+pytestmark = pytest.mark.usefixtures("quiet_logs")
+
+N = 20_000
+WARM_UP = 2_000
+MAX_GROWTH = 1 << 20  # 1 MiB for 20k children: about 50 bytes each would already fail
+
+
+class Request(Actor):
+    """A request-stream stand-in: holds its (large) arguments, ends by itself when told."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    async def receive(self, message: Any) -> Any:
+        if message == "done":
+            self.stop(ExitReason.normal())
+            return None
+        return await super().receive(message)
+
+
+@pytest.mark.parametrize("strategy", [Strategy.SIMPLE_ONE_FOR_ONE, Strategy.ONE_FOR_ONE], ids=str)
+async def test_no_memory_growth_with_many_temporary_children(strategy: Strategy) -> None:
+    dynamic = strategy is Strategy.SIMPLE_ONE_FOR_ONE
+    template = ChildSpec("req", Request, restart=Restart.TEMPORARY)
+    flags = SupervisorFlags(strategy, intensity=0)
+    n = N if dynamic else N // 4
+    async with open_supervisor([template] if dynamic else [], flags) as sup:
+        finished = 0
+
+        async def run(count: int, first: int) -> None:
+            nonlocal finished
+            for i in range(first, first + count):
+                payload = bytes(1024)  # what a leaked start argument would keep alive
+                if dynamic:
+                    ref = await sup.start_dynamic(payload)
+                else:
+                    spec = ChildSpec(f"req-{i}", lambda p=payload: Request(p), restart=Restart.TEMPORARY)
+                    ref = await sup.start_child(spec)
+                assert ref is not None
+                await ref.tell("done")
+            finished += count
+
+        async def drained() -> None:
+            # Every temporary child is forgotten once it ended: nothing of it is kept.
+            for _ in range(10_000):
+                if await sup.which_children() == []:
+                    return
+                await anyio.sleep(0.001)
+            raise AssertionError("temporary children left in the child table")
+
+        await run(WARM_UP, 0)
+        await drained()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            await run(n, WARM_UP)
+            await drained()
+            specs = 1 if dynamic else 0
+            assert await sup.count_children() == ChildCount(specs, 0, 0, 0)
+            gc.collect()
+            growth = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert growth < MAX_GROWTH, f"{growth} bytes kept after {n} temporary children"
+        assert finished == WARM_UP + n
+        stats = await sup.statistics()
+        assert (stats.children, stats.active, stats.restarts) == (0, 0, 0)
