@@ -9,7 +9,7 @@ from prometheus_client import Counter, Gauge
 
 from actors.telemetry import REGISTRY as _TELEMETRY_REGISTRY
 
-__all__ = ["REGISTRY", "emit", "set_backoff"]
+__all__ = ["REGISTRY", "emit", "forget", "set_backoff"]
 
 REGISTRY = _TELEMETRY_REGISTRY
 """The registry holding the supervision metrics; the telemetry actor serves it on /metrics."""
@@ -44,3 +44,24 @@ def emit(supervisor: str, child: str, event: str, **fields: Any) -> None:
 
 def set_backoff(supervisor: str, child: str, seconds: float) -> None:
     _BACKOFF.labels(supervisor, child).set(seconds)
+
+
+EVENTS = (
+    "started",
+    "exited",
+    "restarted",
+    "start_failed",
+    "escalated",
+    "backoff",
+    "terminated",
+    "ignored",
+    "auto_shutdown",
+)
+
+
+def forget(supervisor: str, child: str) -> None:
+    """Drop a forgotten child's series (a temporary child, a deleted one): children added with
+    fresh ids must not grow the metrics without bound."""
+    for event in EVENTS:
+        _EVENTS.remove(supervisor, child, event)
+    _BACKOFF.remove(supervisor, child)

@@ -105,7 +105,8 @@ class ChildSpec:
     start_timeout: float | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.id, str) or not self.id:
+        child_id: object = self.id
+        if not isinstance(child_id, str) or not child_id:
             raise InvalidChildSpec(self.id, "id", "must be a non-empty string")
         if not callable(self.start):
             raise InvalidChildSpec(self.id, "start", f"must be callable, got {self.start!r}")
@@ -125,8 +126,9 @@ class ChildSpec:
             raise InvalidChildSpec(self.id, "start_timeout", "must be > 0")
         if self.backoff is not None and not isinstance(self.backoff, Backoff):
             raise InvalidChildSpec(self.id, "backoff", f"must be a Backoff, got {self.backoff!r}")
-        if not isinstance(self.while_restarting, WhileRestarting):
-            problem = f"must be a WhileRestarting, got {self.while_restarting!r}"
+        while_restarting: object = self.while_restarting
+        if not isinstance(while_restarting, WhileRestarting):
+            problem = f"must be a WhileRestarting, got {while_restarting!r}"
             raise InvalidChildSpec(self.id, "while_restarting", problem)
 
     @property

@@ -41,7 +41,7 @@ from supervisors._errors import (
     InvalidChildSpec,
     SupervisorError,
 )
-from supervisors._events import emit, set_backoff
+from supervisors._events import emit, forget, set_backoff
 from supervisors._spec import AutoShutdown, ChildSpec, Restart, Strategy, SupervisorFlags
 
 __all__ = ["Supervisor"]
@@ -409,6 +409,8 @@ class Supervisor(Actor):
     def _forget(self, child: Child) -> None:
         self._children.pop(child.id, None)
         self._release([child])
+        if not self._dynamic:  # dynamic children share their template's series
+            forget(self.name, child.label)
 
     # -- administration ------------------------------------------------------------------------
 

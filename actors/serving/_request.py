@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
@@ -89,7 +89,7 @@ class RequestStream(Actor):
         finally:
             self.stop(ExitReason.normal())
 
-    async def _serve(self, original: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+    async def _serve(self, original: PreprocessedRequest) -> AsyncGenerator[EngineOutput, None]:
         opts = self.options
         deadline = time.monotonic() + opts.request_timeout
         generated: list[int] = []
@@ -146,7 +146,7 @@ class RequestStream(Actor):
 
     async def _attempt(
         self, routed: Routed, request: PreprocessedRequest, deadline: float
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         opts = self.options
         async with routed.engine.stream(request, buffer=opts.buffer) as outputs:
             try:

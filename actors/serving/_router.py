@@ -55,9 +55,9 @@ class Router(Actor):
                 self.routed += 1
                 return Routed(entry.id, entry.engine)
             case Done(worker_id=worker_id):
-                entry = self.table.workers.get(worker_id)
-                if entry is not None and entry.active > 0:
-                    entry.active -= 1
+                worker = self.table.workers.get(worker_id)
+                if worker is not None and worker.active > 0:
+                    worker.active -= 1
                 return None
             case _:
                 return await super().receive(message)

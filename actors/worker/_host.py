@@ -32,12 +32,12 @@ def build_engine(backend: str, config: bytes, task_group: Any) -> Engine:
     if backend == "hf":
         from actors.engines._hf import HFEngine, HFEngineConfig
 
-        return HFEngine(msgspec.msgpack.decode(config, type=HFEngineConfig))  # type: ignore[no-any-return]
+        return HFEngine(msgspec.msgpack.decode(config, type=HFEngineConfig))
     if backend == "sglang":
-        from actors.engines import SGLangEngine
+        from actors.engines._sglang import SGLangEngine
 
         options = msgspec.msgpack.decode(config)
-        return SGLangEngine(options.pop("server_args"), **options)  # type: ignore[no-any-return]
+        return SGLangEngine(options.pop("server_args"), **options)
     raise ValueError(f"unknown engine backend {backend!r} (mock, hf, sglang)")
 
 
