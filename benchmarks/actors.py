@@ -148,17 +148,35 @@ def main() -> None:
     results["spawn_10k_actors_s"] = round(anyio.run(_spawn, 10_000), 3)
     n_base = 200_000 if quick else 1_000_000
     results["baseline_asyncio_queue_msgs_per_s"] = round(anyio.run(_baseline_queue, n_base), 0)
-    results["baseline_anyio_stream_rtt_us_p50"] = round(anyio.run(_baseline_stream_rtt, 5_000 if quick else 50_000), 2)
+    results["baseline_anyio_stream_rtt_us_p50"] = round(
+        anyio.run(_baseline_stream_rtt, 5_000 if quick else 50_000), 2
+    )
     rows = [
         ("ask round trip p50, asyncio (us)", results["ask_rtt_us_p50_asyncio"], "goal <= 10"),
         ("ask round trip p50, trio (us)", results["ask_rtt_us_p50_trio"], "goal <= 20"),
         ("tell, asyncio (msgs/s)", results["tell_msgs_per_s_asyncio"], "goal >= 1M"),
         ("tell, trio (msgs/s)", results["tell_msgs_per_s_trio"], ""),
-        ("restart p50, asyncio (us)", results["restart_us_p50_asyncio"], "crash -> new incarnation ready"),
+        (
+            "restart p50, asyncio (us)",
+            results["restart_us_p50_asyncio"],
+            "crash -> new incarnation ready",
+        ),
         ("restart p50, trio (us)", results["restart_us_p50_trio"], ""),
-        ("spawn 10k dynamic actors (s)", results["spawn_10k_actors_s"], "asyncio, sequential start_child"),
-        ("baseline asyncio.Queue (msgs/s)", results["baseline_asyncio_queue_msgs_per_s"], "same run"),
-        ("baseline anyio stream RTT p50 (us)", results["baseline_anyio_stream_rtt_us_p50"], "two memory streams"),
+        (
+            "spawn 10k dynamic actors (s)",
+            results["spawn_10k_actors_s"],
+            "asyncio, sequential start_child",
+        ),
+        (
+            "baseline asyncio.Queue (msgs/s)",
+            results["baseline_asyncio_queue_msgs_per_s"],
+            "same run",
+        ),
+        (
+            "baseline anyio stream RTT p50 (us)",
+            results["baseline_anyio_stream_rtt_us_p50"],
+            "two memory streams",
+        ),
     ]
     report("actors", rows, results)
 

@@ -97,8 +97,7 @@ def run(
         try:
             await root.start_child(ChildSpec("control", lambda: ControlServer(root, control_path)))
             with anyio.fail_after(300):
-                while not any(w.routable for w in serving.table.workers.values()):
-                    await anyio.sleep(0.05)
+                await serving.table.wait_routable(len(serving.roles))
             console.print(render_tree(await snapshot_tree(root)))
             console.print(
                 f"[bold green]ready[/bold green]: http://{cfg.host}:{serving.port}/v1 "

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-
-import math
 
 import anyio
 

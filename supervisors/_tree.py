@@ -46,7 +46,8 @@ async def snapshot_tree(root: SupervisorRef, name: str = "root") -> TreeNode:
         "running",
         0,
         0,
-        f"{stats.strategy}, {stats.restarts_in_window}/{stats.intensity} restarts in {stats.period:g}s",
+        f"{stats.strategy}, "
+        f"{stats.restarts_in_window}/{stats.intensity} restarts in {stats.period:g}s",
         tuple(nodes),
     )
 

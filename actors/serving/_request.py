@@ -11,8 +11,8 @@ timeout and the whole request within its deadline, so no request hangs after a w
 from __future__ import annotations
 
 import time
-from contextlib import aclosing
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import anyio

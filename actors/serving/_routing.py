@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
+import anyio
 import attrs
 
 from actors import ActorRef
@@ -55,25 +56,46 @@ class RoutingTable:
         self._roles = roles  # worker id -> role, known from the configuration
         self.workers: dict[str, WorkerEntry] = {}
         self._rr = itertools.count()
+        self._changed: list[anyio.Event] = []
+
+    def routable(self) -> int:
+        """How many workers may take requests now."""
+        return sum(w.routable for w in self.workers.values())
+
+    async def wait_routable(self, count: int = 1) -> None:
+        """Return once at least ``count`` workers are routable."""
+        while self.routable() < count:
+            event = anyio.Event()
+            self._changed.append(event)
+            await event.wait()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, []
+        for event in changed:
+            event.set()
 
     # -- WorkerDirectory ------------------------------------------------------------------
 
     def register(self, worker_id: str, engine: ActorRef[Any], capacity: Capacity) -> None:
         role = self._roles.get(worker_id, "aggregated")
         self.workers[worker_id] = WorkerEntry(worker_id, role, engine, capacity)
+        self._notify()
 
     def set_healthy(self, worker_id: str, healthy: bool) -> None:
         entry = self.workers.get(worker_id)
-        if entry is not None:
+        if entry is not None and entry.healthy != healthy:
             entry.healthy = healthy
+            self._notify()
 
     def unregister(self, worker_id: str) -> None:
-        self.workers.pop(worker_id, None)
+        if self.workers.pop(worker_id, None) is not None:
+            self._notify()
 
     def set_draining(self, worker_id: str, draining: bool) -> None:
         entry = self.workers.get(worker_id)
         if entry is not None:
             entry.draining = draining
+            self._notify()
 
     # -- WorkerSink -----------------------------------------------------------------------
 

@@ -46,8 +46,7 @@ class Tree:
     async def wait_ready(self, workers: int | None = None, timeout: float = 30) -> None:
         want = workers if workers is not None else len(self.serving.roles)
         with anyio.fail_after(timeout):
-            while sum(w.routable for w in self.serving.table.workers.values()) < want:
-                await anyio.sleep(0.02)
+            await self.serving.table.wait_routable(want)
 
 
 @asynccontextmanager

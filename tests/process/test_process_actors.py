@@ -69,7 +69,9 @@ async def test_unencodable_message_is_a_typed_error_and_loses_nothing() -> None:
 
 
 async def test_handler_exception_crashes_and_restarts_process() -> None:
-    async with open_supervisor([process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)) as sup:
+    async with open_supervisor(
+        [process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)
+    ) as sup:
         ref = await sup.child("echo")
         pid = await _pid(ref)
         with pytest.raises(ActorCrashed):
@@ -80,7 +82,9 @@ async def test_handler_exception_crashes_and_restarts_process() -> None:
 
 
 async def test_sigkill_mid_stream_fails_caller_at_once_and_restarts() -> None:
-    async with open_supervisor([process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)) as sup:
+    async with open_supervisor(
+        [process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)
+    ) as sup:
         ref = await sup.child("echo")
         pid = await _pid(ref)
         received = []
@@ -97,7 +101,9 @@ async def test_sigkill_mid_stream_fails_caller_at_once_and_restarts() -> None:
 
 
 async def test_sigkill_fails_pending_asks() -> None:
-    async with open_supervisor([process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)) as sup:
+    async with open_supervisor(
+        [process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)
+    ) as sup:
         ref = await sup.child("echo")
         pid = await _pid(ref)
         errors: list[BaseException] = []
@@ -117,7 +123,9 @@ async def test_sigkill_fails_pending_asks() -> None:
 
 
 async def test_sigstop_is_caught_by_heartbeat_and_killed() -> None:
-    async with open_supervisor([process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)) as sup:
+    async with open_supervisor(
+        [process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)
+    ) as sup:
         ref = await sup.child("echo")
         pid = await _pid(ref)
         os.kill(pid, signal.SIGSTOP)
@@ -134,11 +142,15 @@ async def test_sigstop_is_caught_by_heartbeat_and_killed() -> None:
 
 async def test_child_failing_or_exiting_during_start() -> None:
     with pytest.raises(ChildStartFailed) as failed:
-        async with open_supervisor([process_child("x", "tests.process.workers:FailsToStart", options=FAST)]):
+        async with open_supervisor(
+            [process_child("x", "tests.process.workers:FailsToStart", options=FAST)]
+        ):
             pass
     assert "cannot start" in str(failed.value.cause)
     with pytest.raises(ChildStartFailed) as exited:
-        async with open_supervisor([process_child("y", "tests.process.workers:ExitsDuringStart", options=FAST)]):
+        async with open_supervisor(
+            [process_child("y", "tests.process.workers:ExitsDuringStart", options=FAST)]
+        ):
             pass
     assert isinstance(exited.value.cause, ProcessDied)
 
@@ -146,7 +158,12 @@ async def test_child_failing_or_exiting_during_start() -> None:
 async def test_crash_loop_backs_off_then_recovers(tmp_path: object) -> None:
     counter = str(tmp_path) + "/starts"  # type: ignore[operator]
     spec = process_child(
-        "flaky", "tests.process.workers:FlakyStart", counter, 0, options=FAST, backoff=Backoff(0.01, 0.05)
+        "flaky",
+        "tests.process.workers:FlakyStart",
+        counter,
+        0,
+        options=FAST,
+        backoff=Backoff(0.01, 0.05),
     )
     async with open_supervisor([spec], SupervisorFlags(intensity=10, period=60)) as sup:
         ref = await sup.child("flaky")
@@ -219,7 +236,9 @@ async def test_cancellation_crosses_the_boundary() -> None:
 async def test_root_cancelled_leaves_no_process() -> None:
     pids = []
     with anyio.move_on_after(1.0):
-        async with open_supervisor([process_child(f"e{i}", ECHO, options=FAST) for i in range(3)]) as sup:
+        async with open_supervisor(
+            [process_child(f"e{i}", ECHO, options=FAST) for i in range(3)]
+        ) as sup:
             for i in range(3):
                 pids.append(await _pid(await sup.child(f"e{i}")))
             await anyio.sleep(30)
@@ -228,7 +247,9 @@ async def test_root_cancelled_leaves_no_process() -> None:
 
 
 async def test_graceful_stop_over_sigterm_and_sigkill_escalation() -> None:
-    opts = ProcessOptions(heartbeat_interval=0.05, heartbeat_timeout=5, stop_timeout=0.2, term_timeout=0.2)
+    opts = ProcessOptions(
+        heartbeat_interval=0.05, heartbeat_timeout=5, stop_timeout=0.2, term_timeout=0.2
+    )
     async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
         ref = await sup.child("echo")
         pid = await _pid(ref)
@@ -244,7 +265,8 @@ def test_root_sigkilled_leaves_no_orphans(tmp_path: object) -> None:
         from supervisors import open_supervisor, process_child
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
         async def main():
-            async with open_supervisor([process_child(f"e{{i}}", "{ECHO}") for i in range(2)]) as sup:
+            children = [process_child(f"e{{i}}", "{ECHO}") for i in range(2)]
+            async with open_supervisor(children) as sup:
                 for i in range(2):
                     print(await (await sup.child(f"e{{i}}")).ask("pid"), flush=True)
                 print("ready", flush=True)
@@ -252,7 +274,9 @@ def test_root_sigkilled_leaves_no_orphans(tmp_path: object) -> None:
         anyio.run(main)
         """
     )
-    root = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    root = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
     assert root.stdout is not None
     try:
         pids = [int(root.stdout.readline()), int(root.stdout.readline())]

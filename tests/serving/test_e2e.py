@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import time
 import os
 import signal
+import time
 from typing import Any
 
 import anyio
@@ -95,30 +95,32 @@ async def test_openai_client_completions_and_chat() -> None:
 
 async def test_sigkill_decode_worker_mid_stream_every_stream_completes_unchanged() -> None:
     prompts = [f"request {i}: tell me something long" for i in range(32)]
-    async with serving_tree(
-        mode="aggregated",
-        decode_workers=2,
-        router="round_robin",
-        engine_args={"timing": {"speedup": 1.0}},
-    ) as tree:
-        async with httpx.AsyncClient(base_url=tree.url) as client:
-            baseline: dict[int, dict[str, Any]] = {}
+    async with (
+        serving_tree(
+            mode="aggregated",
+            decode_workers=2,
+            router="round_robin",
+            engine_args={"timing": {"speedup": 1.0}},
+        ) as tree,
+        httpx.AsyncClient(base_url=tree.url) as client,
+    ):
+        baseline: dict[int, dict[str, Any]] = {}
 
-            async def run(i: int, into: dict[int, dict[str, Any]]) -> None:
-                into[i] = await _stream_text(client, prompts[i], 120)
+        async def run(i: int, into: dict[int, dict[str, Any]]) -> None:
+            into[i] = await _stream_text(client, prompts[i], 120)
 
-            async with anyio.create_task_group() as tg:
-                for i in range(32):
-                    tg.start_soon(run, i, baseline)
-            victim = await tree.engine_stats("decode-0")
-            faulted: dict[int, dict[str, Any]] = {}
-            async with anyio.create_task_group() as tg:
-                for i in range(32):
-                    tg.start_soon(run, i, faulted)
-                with anyio.fail_after(30):
-                    while (await tree.engine_stats("decode-0")).running < 4:
-                        await anyio.sleep(0.01)
-                os.kill(victim.pid, signal.SIGKILL)
+        async with anyio.create_task_group() as tg:
+            for i in range(32):
+                tg.start_soon(run, i, baseline)
+        victim = await tree.engine_stats("decode-0")
+        faulted: dict[int, dict[str, Any]] = {}
+        async with anyio.create_task_group() as tg:
+            for i in range(32):
+                tg.start_soon(run, i, faulted)
+            with anyio.fail_after(30):
+                while (await tree.engine_stats("decode-0")).running < 4:
+                    await anyio.sleep(0.01)
+            os.kill(victim.pid, signal.SIGKILL)
     assert all(r["error"] is None for r in faulted.values()), [
         r["error"] for r in faulted.values() if r["error"]
     ]
@@ -129,25 +131,27 @@ async def test_sigkill_decode_worker_mid_stream_every_stream_completes_unchanged
 
 
 async def test_migration_limit_zero_reports_a_typed_error() -> None:
-    async with serving_tree(
-        mode="aggregated",
-        decode_workers=2,
-        migration_limit=0,
-        engine_args={"timing": {"speedup": 2.0}},
-    ) as tree:
-        async with httpx.AsyncClient(base_url=tree.url) as client:
-            results: list[dict[str, Any]] = []
+    async with (
+        serving_tree(
+            mode="aggregated",
+            decode_workers=2,
+            migration_limit=0,
+            engine_args={"timing": {"speedup": 2.0}},
+        ) as tree,
+        httpx.AsyncClient(base_url=tree.url) as client,
+    ):
+        results: list[dict[str, Any]] = []
 
-            async def run(i: int) -> None:
-                results.append(await _stream_text(client, f"prompt {i}", 200))
+        async def run(i: int) -> None:
+            results.append(await _stream_text(client, f"prompt {i}", 200))
 
-            async with anyio.create_task_group() as tg:
-                for i in range(4):
-                    tg.start_soon(run, i)
-                with anyio.fail_after(30):
-                    while (await tree.engine_stats("decode-0")).running < 1:
-                        await anyio.sleep(0.01)
-                os.kill((await tree.engine_stats("decode-0")).pid, signal.SIGKILL)
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(run, i)
+            with anyio.fail_after(30):
+                while (await tree.engine_stats("decode-0")).running < 1:
+                    await anyio.sleep(0.01)
+            os.kill((await tree.engine_stats("decode-0")).pid, signal.SIGKILL)
     errors = [r for r in results if r["error"] is not None]
     assert errors, "a request on the killed worker must fail when migration is off"
     for failed in errors:
@@ -197,7 +201,8 @@ async def test_client_disconnect_aborts_in_every_phase(phase: str) -> None:
                 async with await anyio.connect_tcp("127.0.0.1", tree.serving.port or 0) as sock:
                     await sock.send(
                         (
-                            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                            "Content-Type: application/json\r\n"
                             f"Content-Length: {len(body)}\r\n\r\n{body}"
                         ).encode()
                     )
