@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from protocols.engine import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
-from protocols.errors import ContextLengthExceeded, ModelNotFound, Overloaded, RequestError
+from protocols.engine import EngineOutput, PreprocessedRequest
+from protocols.errors import ModelNotFound, Overloaded, RequestError
 
 from ._backend import Backend, ModelInfo
 from ._chunks import DONE_FRAME, ChatRenderer, CompletionRenderer, Renderer, error_frame
 from ._errors import (
     error_body,
+    error_payload,
     error_response,
     error_type_label,
     http_exception_response,
@@ -30,6 +30,7 @@ from ._errors import (
     invalid,
     validation_error_response,
 )
+from ._mapping import build_request, chat_prompt, completion_prompt, guided_decoding
 from ._metrics import FrontendMetrics, RequestMetrics
 from ._openai_types import (
     ChatCompletionRequest,
@@ -39,8 +40,8 @@ from ._openai_types import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    ResponseFormat,
 )
+from ._ops import Ops
 from ._pipeline import Choice
 from ._sse import SSEResponse
 from ._streams import aclose_quietly, next_output, until_disconnected
@@ -51,10 +52,8 @@ log = logging.getLogger("actorserve.frontend")
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-#: Prompts longer than this (in characters) are tokenised in a worker thread, so one huge prompt
-#: cannot stall every other stream on the event loop; short ones stay inline (a thread hop costs
-#: more than tokenising them).
-_THREAD_TOKENIZE_CHARS = 32_768
+#: Request bodies above this are refused (413) before they are parsed.
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 404, 499, 500, 503)
@@ -88,16 +87,23 @@ def create_app(
     max_inflight: int | None = None,
     retry_after_s: int = 1,
     ping_interval_s: float = 15.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The frontend's ASGI app for ``backend``.
 
     Frontend metrics are registered on ``registry``, which ``/metrics`` exposes (with the
     backend's own registry, if it has one). ``max_inflight`` caps concurrent generation requests
     (beyond it: 503 with ``Retry-After: retry_after_s``); ``ping_interval_s`` is the SSE keep-alive
-    comment interval.
+    comment interval; larger bodies than ``max_body_bytes`` get a 413.
     """
     frontend = _Frontend(backend, registry, max_inflight, retry_after_s, ping_interval_s)
-    app = FastAPI(title="actorserve", version="0.1.0", description="OpenAI-compatible API")
+    ops = Ops(backend, registry)
+    app = FastAPI(
+        title="actorserve",
+        version="0.1.0",
+        description="OpenAI-compatible API",
+        max_body_size=max_body_bytes,
+    )
     app.add_api_route(
         CHAT_PATH,
         frontend.chat_completions,
@@ -112,17 +118,23 @@ def create_app(
         response_class=Response,
         responses=_responses(CompletionResponse),
     )
-    app.add_api_route("/v1/models", frontend.list_models, methods=["GET"], response_model=ModelList)
+    app.add_api_route("/v1/models", ops.list_models, methods=["GET"], response_model=ModelList)
     app.add_api_route(
         "/v1/models/{model_id:path}",
-        frontend.get_model,
+        ops.get_model,
         methods=["GET"],
         response_model=ModelCard,
         responses={404: {"model": ErrorResponse}},
     )
-    app.add_api_route("/health", frontend.health, methods=["GET"], response_class=Response)
-    app.add_api_route("/live", frontend.live, methods=["GET"], response_class=Response)
-    app.add_api_route("/metrics", frontend.metrics_text, methods=["GET"], response_class=Response)
+    app.add_api_route(
+        "/health",
+        ops.health,
+        methods=["GET"],
+        response_class=Response,
+        responses={200: {"description": "Ready"}, 503: {"description": "Not ready"}},
+    )
+    app.add_api_route("/live", ops.live, methods=["GET"], response_class=Response)
+    app.add_api_route("/metrics", ops.metrics, methods=["GET"], response_class=Response)
     app.add_exception_handler(RequestValidationError, frontend.on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _on_http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(RequestError, frontend.on_request_error)  # type: ignore[arg-type]
@@ -132,18 +144,6 @@ def create_app(
 
 async def _on_http_exception(request: Request, exc: HTTPException) -> Response:
     return http_exception_response(exc)
-
-
-def _json(obj: object, status: int = 200) -> Response:
-    return Response(json.dumps(obj).encode(), status_code=status, media_type="application/json")
-
-
-def _guided(fmt: ResponseFormat | None) -> dict[str, object] | None:
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        return {"json": {"type": "object"}}
-    return {"json": fmt.json_schema.schema_}
 
 
 class _Frontend:
@@ -162,7 +162,6 @@ class _Frontend:
         self.retry_after_s = retry_after_s
         self.ping_interval_s = ping_interval_s
         self.inflight = 0
-        self.started = time.monotonic()
 
     # --- generation endpoints ---------------------------------------------------------------
 
@@ -173,14 +172,11 @@ class _Frontend:
             info = self._admit(body.model, body.n)
             if body.logprobs or body.top_logprobs:
                 raise invalid("logprobs are not supported", "logprobs")
-            messages = [_message(msg.role, msg.text(), msg.name) for msg in body.messages]
-            size = sum(len(msg["content"]) for msg in messages)
-            prompt = await _tokenize(lambda: info.tokenizer.apply_chat_template(messages), size)
+            prompt = await chat_prompt(info, body)
             rid = f"chatcmpl-{secrets.token_hex(16)}"
             max_tokens = body.max_completion_tokens or body.max_tokens
-            preq = _preprocessed(
-                rid, prompt, info, body, max_tokens, "messages", _guided(body.response_format)
-            )
+            guided = guided_decoding(body.response_format)
+            preq = build_request(rid, prompt, info, body, max_tokens, "messages", guided)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             renderer = ChatRenderer(rid, info.name, int(time.time()), include_usage=include_usage)
             return await self._generate(request, info, preq, renderer, body, m, "")
@@ -200,33 +196,21 @@ class _Frontend:
                 raise invalid("logprobs are not supported", "logprobs")
             if body.suffix:
                 raise invalid("suffix is not supported", "suffix")
-            prompt_text, prompt = await self._prompt(info, body.prompt)
+            prompt_text, prompt = await completion_prompt(info, body)
             rid = f"cmpl-{secrets.token_hex(16)}"
             # OpenAI's default for completions is 16 tokens (chat's is "the rest of the context").
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
-            preq = _preprocessed(rid, prompt, info, body, max_tokens, "prompt", None)
+            preq = build_request(rid, prompt, info, body, max_tokens, "prompt", None)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             renderer = CompletionRenderer(
                 rid, info.name, int(time.time()), include_usage=include_usage
             )
-            echo = "" if not body.echo else prompt_text or info.tokenizer.decode(prompt)
+            echo = prompt_text if body.echo else ""
             return await self._generate(request, info, preq, renderer, body, m, echo)
         except RequestError as exc:
             return self._fail(m, exc)
         except Exception as exc:
             return self._internal(m, exc)
-
-    async def _prompt(
-        self, info: ModelInfo, prompt: str | list[int] | list[str] | list[list[int]]
-    ) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise invalid("batched prompts are not supported: send one prompt", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            text = prompt
-            return text, await _tokenize(lambda: info.tokenizer.encode(text), len(text))
-        return None, [int(t) for t in prompt]  # type: ignore[arg-type]
 
     def _admit(self, model: str, n: int) -> ModelInfo:
         info = next((i for i in self.backend.models() if i.name == model), None)
@@ -369,7 +353,7 @@ class _Frontend:
             status, error_type = "error", error_type_label(exc)
             # After the headers, the status line is gone: the error goes in the stream, and the
             # stream still ends properly.
-            yield error_frame(error_body(exc.http_status, exc.message, exc.code))
+            yield error_frame(error_payload(exc))
             yield DONE_FRAME
         except Exception as exc:
             status, error_type = "error", "internal"
@@ -409,120 +393,3 @@ class _Frontend:
 
     async def on_request_error(self, request: Request, exc: RequestError) -> Response:
         return error_response(exc, retry_after_s=self.retry_after_s)
-
-    # --- models, health, metrics ------------------------------------------------------------
-
-    def _card(self, info: ModelInfo) -> dict[str, object]:
-        return {
-            "id": info.name,
-            "object": "model",
-            "created": info.created,
-            "owned_by": info.owned_by,
-            "max_model_len": info.context_length,
-        }
-
-    async def list_models(self) -> Response:
-        """The served models (OpenAI ``GET /v1/models``)."""
-        cards = [self._card(i) for i in self.backend.models()]
-        return _json({"object": "list", "data": cards})
-
-    async def get_model(self, model_id: str) -> Response:
-        """One served model (OpenAI ``GET /v1/models/{model}``)."""
-        for info in self.backend.models():
-            if info.name == model_id:
-                return _json(self._card(info))
-        return error_response(ModelNotFound(f"The model `{model_id}` does not exist."))
-
-    async def health(self) -> Response:
-        """200 when every backend endpoint is ready, else 503; the per-endpoint view either way."""
-        try:
-            endpoints = {str(k): str(v) for k, v in self.backend.health().items()}
-        except Exception as exc:
-            log.error("backend health check failed", exc_info=exc)
-            endpoints = {}
-        ready = bool(endpoints) and all(v == "ready" for v in endpoints.values())
-        body = {
-            "status": "ready" if ready else "notready",
-            "endpoints": endpoints,
-            "uptime": round(time.monotonic() - self.started, 3),
-        }
-        return _json(body, 200 if ready else 503)
-
-    async def live(self) -> Response:
-        """Always 200 while the process serves HTTP."""
-        return _json({"status": "live", "uptime": round(time.monotonic() - self.started, 3)})
-
-    async def metrics_text(self) -> Response:
-        """Prometheus text exposition of the frontend's (and the backend's) registry."""
-        data = generate_latest(self.registry)
-        extra = self.backend.metrics_registry()
-        if extra is not None and extra is not self.registry:
-            data += generate_latest(extra)
-        return Response(data, media_type=CONTENT_TYPE_LATEST)
-
-
-def _message(role: str, content: str, name: str | None) -> dict[str, str]:
-    msg = {"role": role, "content": content}
-    if name:
-        msg["name"] = name
-    return msg
-
-
-async def _tokenize(fn: Callable[[], list[int]], size: int) -> list[int]:
-    if size > _THREAD_TOKENIZE_CHARS:
-        return await anyio.to_thread.run_sync(fn)
-    return fn()
-
-
-def _preprocessed(
-    rid: str,
-    prompt: list[int],
-    info: ModelInfo,
-    body: ChatCompletionRequest | CompletionRequest,
-    max_tokens: int | None,
-    param: str,
-    guided: dict[str, object] | None,
-) -> PreprocessedRequest:
-    n_prompt, ctx = len(prompt), info.context_length
-    if n_prompt == 0:
-        raise invalid("the prompt is empty", param)
-    if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
-        wanted = "" if max_tokens is None else f" plus {max_tokens} in the completion"
-        exc = ContextLengthExceeded(
-            f"This model's maximum context length is {ctx} tokens. However, you requested "
-            f"{n_prompt} tokens in the {param}{wanted}. Please reduce the length of the "
-            f"{param} or completion."
-        )
-        setattr(exc, "param", param)  # noqa: B010
-        raise exc
-    if max_tokens is None:
-        max_tokens = ctx - n_prompt
-    if body.min_tokens is not None and body.min_tokens > max_tokens:
-        raise invalid(
-            f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens"
-        )
-    stop: Sequence[str] | None = [body.stop] if isinstance(body.stop, str) else body.stop
-    return PreprocessedRequest(
-        rid=rid,
-        token_ids=prompt,
-        stop_conditions=StopConditions(
-            max_tokens=max_tokens,
-            min_tokens=body.min_tokens,
-            stop=list(stop) if stop else None,
-            stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos,
-        ),
-        sampling_options=SamplingOptions(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            seed=body.seed,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            guided_decoding=guided,
-        ),
-        eos_token_ids=info.tokenizer.eos_token_ids,
-        model=info.name,
-    )

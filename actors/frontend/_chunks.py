@@ -7,6 +7,8 @@ documentation models in ``_openai_types.py``.
 
 from __future__ import annotations
 
+import abc
+
 import msgspec
 from sse_starlette import ServerSentEvent
 
@@ -115,7 +117,7 @@ def _frame(body: bytes) -> bytes:
     return b"data: " + body + b"\n\n"
 
 
-class Renderer:
+class Renderer(abc.ABC):
     """Renders one request's stream frames and its non-streaming body."""
 
     __slots__ = ("created", "id", "include_usage", "model")
@@ -126,21 +128,21 @@ class Renderer:
         self.created = created
         self.include_usage = include_usage
 
+    @abc.abstractmethod
     def start(self) -> bytes | None:
         """The frame that opens a stream, if the API has one."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def delta(self, text: str, finish_reason: str | None = None) -> bytes:
         """A frame with new text, and the finish reason on the last one."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def usage(self, usage: Usage) -> bytes:
         """The usage frame (``choices: []``) sent after the last one when asked for."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def body(self, text: str, finish_reason: str, usage: Usage) -> bytes:
         """The whole non-streaming response."""
-        raise NotImplementedError
 
     def _chunk_usage(self) -> msgspec.UnsetType | None:
         return None if self.include_usage else msgspec.UNSET

@@ -32,6 +32,7 @@ from protocols.errors import (
 
 __all__ = [
     "error_body",
+    "error_payload",
     "error_response",
     "error_type_label",
     "invalid",
@@ -78,14 +79,24 @@ def _retry_headers(status: int, retry_after_s: int) -> dict[str, str]:
     return {"Retry-After": str(retry_after_s)} if status in (429, 503) else {}
 
 
-def error_response(exc: RequestError, *, retry_after_s: int = 1) -> Response:
-    """The HTTP response for a typed request error raised before any byte of the body was sent."""
-    status = exc.http_status
+def error_payload(exc: RequestError) -> bytes:
+    """The OpenAI error object for a typed request error (a body, or an SSE error event)."""
     code = _OPENAI_CODES.get(type(exc), exc.code)
+    return error_body(exc.http_status, exc.message, code, getattr(exc, "param", None))
+
+
+def error_response(exc: RequestError, *, retry_after_s: int = 1) -> Response:
+    """The HTTP response for a typed request error raised before any byte of the body was sent.
+
+    ``Retry-After`` (on 429 and 503) is the error's own ``retry_after_s`` attribute if it has one,
+    else ``retry_after_s``.
+    """
+    status = exc.http_status
     retry = getattr(exc, "retry_after_s", None)
     headers = _retry_headers(status, retry_after_s if retry is None else int(retry))
-    body = error_body(status, exc.message, code, getattr(exc, "param", None))
-    return Response(body, status_code=status, headers=headers, media_type="application/json")
+    return Response(
+        error_payload(exc), status_code=status, headers=headers, media_type="application/json"
+    )
 
 
 def error_type_label(exc: BaseException) -> str:

@@ -174,11 +174,18 @@ _MAX_TOKEN_ID = 2**32 - 1
 class HFTokenizer:
     """A Hugging Face *fast* tokenizer with its own chat template.
 
-    Build it with :meth:`from_pretrained` from a local folder (``tokenizer.json`` and friends) or a
-    ``.gguf`` file; nothing is downloaded.
+    ``source`` is a local folder (``tokenizer.json`` and friends), a ``.gguf`` file, or an already
+    loaded ``transformers`` tokenizer; nothing is downloaded. ``eos_token_ids`` overrides the
+    tokenizer's own EOS.
     """
 
-    def __init__(self, tokenizer: Any, *, eos_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Any,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        tokenizer = _load(source) if isinstance(source, (str, os.PathLike)) else source
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError(
@@ -197,14 +204,7 @@ class HFTokenizer:
         cls, path: str | os.PathLike[str], *, eos_token_ids: Sequence[int] | None = None
     ) -> HFTokenizer:
         """Load the tokenizer stored at ``path`` (a folder, or a ``.gguf`` file), offline."""
-        from transformers import AutoTokenizer
-
-        p = Path(path)
-        if p.suffix == ".gguf":
-            tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
-        else:
-            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-        return cls(tok, eos_token_ids=eos_token_ids)
+        return cls(_load(path), eos_token_ids=eos_token_ids)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -237,6 +237,17 @@ class HFTokenizer:
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
         return _StreamDetokenizer(self._backend, prompt_ids[-_PROMPT_CONTEXT_IDS:])
+
+
+def _load(path: str | os.PathLike[str]) -> Any:
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if p.suffix == ".gguf":
+        # Reading a GGUF's tokenizer parses the whole file (tens of seconds for a small model):
+        # save_pretrained() it to a folder once when startup time matters.
+        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(p, local_files_only=True)
 
 
 class _StreamDetokenizer:

@@ -136,8 +136,11 @@ class KVPool:
             device = "cuda" if _cuda_available() else "cpu"
         nbytes = num_pages * page_bytes
         if device == "cpu":
-            # Touch every page now so the first transfer does not pay the page faults.
-            return cls.from_buffer(np.zeros(nbytes, dtype=np.uint8), page_bytes)
+            # Write every page now (np.zeros alone maps them lazily): the first transfer into
+            # a page must not pay its page fault.
+            buf = np.empty(nbytes, dtype=np.uint8)
+            buf.fill(0)
+            return cls.from_buffer(buf, page_bytes)
         import torch
 
         return cls.from_buffer(torch.zeros(nbytes, dtype=torch.uint8, device=device), page_bytes)

@@ -97,6 +97,16 @@ def test_hf_tokenizer_loads_from_folder(hf: HFTokenizer) -> None:
     assert hf.eos_token_ids == [hf.encode("<|im_end|>", add_special_tokens=False)[0]]
 
 
+def test_hf_tokenizer_accepts_a_path_or_a_loaded_tokenizer(
+    hf: HFTokenizer, tmp_path: Path
+) -> None:
+    folder = build_tokenizer_folder(tmp_path)
+    by_path = HFTokenizer(folder)
+    by_str = HFTokenizer(str(folder), eos_token_ids=[0])
+    assert by_path.encode(TEXT) == by_str.encode(TEXT) == hf.encode(TEXT)
+    assert by_str.eos_token_ids == [0]
+
+
 def test_hf_tokenizer_uses_its_chat_template(hf: HFTokenizer) -> None:
     ids = hf.apply_chat_template([{"role": "user", "content": "hello world"}])
     im_start = hf.encode("<|im_start|>", add_special_tokens=False)

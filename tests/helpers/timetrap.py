@@ -10,6 +10,7 @@ from types import FrameType
 import pytest
 
 TIMETRAP_S = 90
+SLOW_TIMETRAP_S = 400  # tests marked slow (100k children on a busy machine)
 
 
 class Timetrap(Exception):  # noqa: N818 - OTP's name
@@ -17,12 +18,14 @@ class Timetrap(Exception):  # noqa: N818 - OTP's name
 
 
 @pytest.fixture(autouse=True)
-def _timetrap() -> Iterator[None]:
+def _timetrap(request: pytest.FixtureRequest) -> Iterator[None]:
+    seconds = SLOW_TIMETRAP_S if request.node.get_closest_marker("slow") else TIMETRAP_S
+
     def on_alarm(signum: int, frame: FrameType | None) -> None:
-        raise Timetrap(f"test still running after {TIMETRAP_S} s: a hang")
+        raise Timetrap(f"test still running after {seconds} s: a hang")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(TIMETRAP_S)
+    signal.alarm(seconds)
     try:
         yield
     finally:

@@ -1,0 +1,125 @@
+"""From a validated OpenAI request to the engine's :class:`PreprocessedRequest`.
+
+Tokenisation (chat template or prompt), context-length checks, and the field mapping:
+``max_tokens``/``max_completion_tokens``, ``min_tokens``, ``stop``, sampling options,
+``response_format`` as guided decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import anyio
+
+from protocols.engine import PreprocessedRequest, SamplingOptions, StopConditions
+from protocols.errors import ContextLengthExceeded
+
+from ._backend import ModelInfo
+from ._errors import invalid
+from ._openai_types import ChatCompletionRequest, CompletionRequest, ResponseFormat
+
+__all__ = ["build_request", "chat_prompt", "completion_prompt", "guided_decoding"]
+
+#: Prompts longer than this (in characters) are tokenised in a worker thread, so one huge prompt
+#: cannot stall every other stream on the event loop; short ones stay inline (a thread hop costs
+#: more than tokenising them).
+_THREAD_TOKENIZE_CHARS = 32_768
+
+
+async def _tokenize(fn: Callable[[], list[int]], size: int) -> list[int]:
+    if size > _THREAD_TOKENIZE_CHARS:
+        return await anyio.to_thread.run_sync(fn)
+    return fn()
+
+
+async def chat_prompt(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
+    """The conversation through the model's chat template, ending with the generation prompt."""
+    messages: list[dict[str, str]] = []
+    for msg in body.messages:
+        entry = {"role": msg.role, "content": msg.text()}
+        if msg.name:
+            entry["name"] = msg.name
+        messages.append(entry)
+    size = sum(len(m["content"]) for m in messages)
+    return await _tokenize(lambda: info.tokenizer.apply_chat_template(messages), size)
+
+
+async def completion_prompt(info: ModelInfo, body: CompletionRequest) -> tuple[str, list[int]]:
+    """The prompt's text (for ``echo``) and token ids; one prompt, as text or as ids."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise invalid("batched prompts are not supported: send one prompt", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        text = prompt
+        return text, await _tokenize(lambda: info.tokenizer.encode(text), len(text))
+    ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # list[int] once unwrapped
+    return (info.tokenizer.decode(ids) if body.echo else ""), ids
+
+
+def guided_decoding(fmt: ResponseFormat | None) -> dict[str, object] | None:
+    """``response_format`` as the engine's guided-decoding spec (``{"json": schema}``)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        return {"json": {"type": "object"}}
+    return {"json": fmt.json_schema.schema_}
+
+
+def build_request(
+    rid: str,
+    prompt: list[int],
+    info: ModelInfo,
+    body: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int | None,
+    param: str,
+    guided: dict[str, object] | None,
+) -> PreprocessedRequest:
+    """The engine request; raises 400s for empty prompts and context overflows.
+
+    ``max_tokens=None`` means the rest of the context. ``param`` names the prompt's field
+    (``messages`` or ``prompt``) in errors.
+    """
+    n_prompt, ctx = len(prompt), info.context_length
+    if n_prompt == 0:
+        raise invalid("the prompt is empty", param)
+    if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
+        wanted = "" if max_tokens is None else f" plus {max_tokens} in the completion"
+        exc = ContextLengthExceeded(
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{n_prompt} tokens in the {param}{wanted}. Please reduce the length of the "
+            f"{param} or completion."
+        )
+        setattr(exc, "param", param)  # noqa: B010
+        raise exc
+    if max_tokens is None:
+        max_tokens = ctx - n_prompt
+    if body.min_tokens is not None and body.min_tokens > max_tokens:
+        message = f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})"
+        raise invalid(message, "min_tokens")
+    stop: Sequence[str] | None = [body.stop] if isinstance(body.stop, str) else body.stop
+    return PreprocessedRequest(
+        rid=rid,
+        token_ids=prompt,
+        stop_conditions=StopConditions(
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=list(stop) if stop else None,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+        ),
+        sampling_options=SamplingOptions(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            guided_decoding=guided,
+        ),
+        eos_token_ids=info.tokenizer.eos_token_ids,
+        model=info.name,
+    )

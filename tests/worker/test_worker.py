@@ -1,0 +1,153 @@
+"""The worker: engine actor in a child process, publisher and health checker, one_for_all."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from actors import ActorCrashed, current_registry
+from actors.engines import MockEngineConfig, TimingModel
+from actors.process import ProcessOptions
+from actors.serving import RoutingTable
+from actors.worker import HealthOptions, engine_name, worker_spec
+from protocols import PreprocessedRequest, StopConditions, control
+from protocols.engine import MemoryTag, PauseMode
+from supervisors import SupervisorFlags, SupervisorRef, open_supervisor
+
+CONFIG = msgspec.msgpack.encode(
+    MockEngineConfig(
+        timing=TimingModel(speedup=50), num_blocks=256, block_size=16, kv_bytes_per_block=256
+    )
+)
+
+
+def _spec(table: RoutingTable, **kw: Any) -> Any:
+    return worker_spec(
+        "w0",
+        "mock",
+        CONFIG,
+        directory=table,
+        sink=table,
+        process=kw.pop("process", ProcessOptions(heartbeat_interval=0.05, heartbeat_timeout=2.0)),
+        health=kw.pop(
+            "health", HealthOptions(idle_after=0.2, timeout=0.5, failures=2, interval=0.1)
+        ),
+        **kw,
+    )
+
+
+def _engine() -> Any:
+    ref = current_registry().whereis(engine_name("w0"))
+    assert ref is not None
+    return ref
+
+
+async def _generate(tokens: list[int], max_tokens: int = 8) -> list[int]:
+    request = PreprocessedRequest(
+        rid=os.urandom(4).hex(),
+        token_ids=tokens,
+        stop_conditions=StopConditions(max_tokens=max_tokens),
+    )
+    out: list[int] = []
+    async with _engine().stream(request) as outputs:
+        async for output in outputs:
+            out.extend(output.token_ids)
+    return out
+
+
+async def test_engine_actor_serves_the_contract_across_the_process_boundary() -> None:
+    table = RoutingTable({"w0": "aggregated"})
+    async with open_supervisor([_spec(table)]):
+        await table.wait_routable()
+        engine = _engine()
+        first = await _generate(list(range(40)))
+        assert first == await _generate(list(range(40)))  # deterministic
+        assert len(first) == 8
+        capacity = await engine.ask(control.GetCapacity())
+        assert capacity.total_kv_blocks == 256
+        await engine.ask(control.Pause(PauseMode.IN_PLACE))
+        await engine.ask(control.ContinueGeneration())
+        await engine.ask(control.ReleaseMemory((MemoryTag.WEIGHTS,)))
+        stats = await engine.ask(control.GetStats())
+        assert MemoryTag.WEIGHTS in stats.released
+        await engine.ask(control.ResumeMemory((MemoryTag.WEIGHTS,)))
+        assert await engine.ask(control.IsQuiescent()) is True
+        assert await engine.ask(control.FlushCache()) is True
+
+
+async def test_publisher_feeds_kv_events_and_load_and_reconnects_after_engine_restart() -> None:
+    table = RoutingTable({"w0": "aggregated"})
+    prompt = list(range(64))
+    async with open_supervisor([_spec(table)], SupervisorFlags(intensity=5)) as root:
+        await table.wait_routable()
+        await _generate(prompt)
+        with anyio.fail_after(10):
+            while table.overlap("w0", prompt) < 3:
+                await anyio.sleep(0.02)
+        pid = (await _engine().ask(control.GetStats())).pid
+        os.kill(pid, signal.SIGKILL)
+        # one_for_all: engine, publisher and checker restart together; the new publisher
+        # subscribes to the new engine's endpoints.
+        with anyio.fail_after(15):
+            while "w0" not in table.workers or (await _safe_pid()) in (None, pid):
+                await anyio.sleep(0.05)
+        await table.wait_routable()
+        assert table.overlap("w0", prompt) == 0  # a fresh engine holds nothing
+        await _generate(prompt)
+        with anyio.fail_after(10):
+            while table.overlap("w0", prompt) < 3:
+                await anyio.sleep(0.02)
+        worker = SupervisorRef(await root.child("w0"))
+        assert (await worker.statistics()).restarts >= 1
+
+
+async def _safe_pid() -> int | None:
+    try:
+        return int((await _engine().ask(control.GetStats())).pid)
+    except ActorCrashed:
+        return None
+    except Exception:
+        return None
+
+
+@pytest.mark.parametrize("fault", ["sigstop", "sigkill"])
+async def test_health_checker_fails_a_hung_or_dead_engine(fault: str) -> None:
+    table = RoutingTable({"w0": "aggregated"})
+    # Heartbeats are slow here, so it is the health checker that must notice.
+    process = ProcessOptions(heartbeat_interval=0.05, heartbeat_timeout=60.0)
+    async with open_supervisor(
+        [_spec(table, process=process)], SupervisorFlags(intensity=5)
+    ) as root:
+        await table.wait_routable()
+        pid = (await _engine().ask(control.GetStats())).pid
+        worker = SupervisorRef(await root.child("w0"))
+        os.kill(pid, signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
+        try:
+            with anyio.fail_after(20):
+                while (await worker.statistics()).restarts < 1:
+                    await anyio.sleep(0.05)
+        finally:
+            if fault == "sigstop":
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        await table.wait_routable()
+        assert await _generate([1, 2, 3], 2)
+
+
+async def test_canary_judges_the_whole_stream() -> None:
+    table = RoutingTable({"w0": "aggregated"})
+    async with open_supervisor(
+        [_spec(table, health=HealthOptions(idle_after=60, interval=60))]
+    ) as root:
+        await table.wait_routable()
+        worker = SupervisorRef(await root.child("w0"))
+        health = await worker.child("health")
+        assert await health.ask("canary") is True
+        assert await health.ask("failures") == 0
