@@ -156,6 +156,29 @@ async def test_exception_crashes_actor_and_pending_asks_get_actor_crashed() -> N
         assert ref.statistics().restarts == 1
 
 
+async def test_a_retry_after_actor_crashed_never_reaches_the_dead_incarnation() -> None:
+    """The crashing call's error arrives once the incarnation is gone: a caller retrying at once
+    waits for the restart (policy "wait") or is told it restarts, never gets the old crash."""
+    wait = worker_spec("wait", while_restarting=WhileRestarting("wait", timeout=30))
+    fail = worker_spec("fail")
+    async with open_supervisor([wait, fail], FLAGS) as sup:
+        waiting, failing = await sup.child("wait"), await sup.child("fail")
+        for _ in range(3):
+            with pytest.raises(ActorCrashed):
+                await waiting.ask("crash")
+            assert await waiting.ask("ping") == "pong"
+        with pytest.raises(ActorCrashed):
+            await failing.ask("crash")
+        try:
+            assert await failing.ask("ping") == "pong"
+        except ActorRestarting:
+            pass
+        with pytest.raises(ActorCrashed):
+            async with waiting.stream(3) as replies:  # Worker serves no streams: a reply error
+                await replies.receive()
+        assert await waiting.ask("ping") == "pong"
+
+
 async def test_ask_that_crashes_gets_actor_crashed() -> None:
     async with open_supervisor([worker_spec("w")], FLAGS) as sup:
         ref = await sup.child("w")

@@ -21,6 +21,7 @@ from supervisors import (
 from tests.helpers.supervision import StartControl, crash, exit_with, worker_spec
 
 _names = itertools.count()
+pytestmark = pytest.mark.usefixtures("all_logs")
 
 
 def _count(supervisor: str, child: str, event: str) -> float:

@@ -1,0 +1,158 @@
+"""Process actors: round trip, stream throughput, death detection and restart, against raw pyzmq.
+
+    python benchmarks/process.py [--quick]
+
+Prints a table, then one JSON line with proc_ask_rtt_us_p50, proc_ask_rtt_us_p99,
+proc_stream_chunks_per_s (a chunk = 16 token ids), kill_detect_ms_p50, proc_restart_ms_p50
+(trivial init) and baseline_zmq_rtt_us_p50 (REQ/REP between two processes, same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import anyio
+import zmq
+
+from actors import ActorCrashed, ActorRef
+from actors.process import ProcessOptions
+from benchmarks._common import percentile, report
+from supervisors import SupervisorFlags, open_supervisor, process_child
+
+ECHO = "tests.process.workers:Echo"
+_ECHO_SERVER = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.REP)
+sock.connect(sys.argv[1])
+while True:
+    msg = sock.recv()
+    sock.send(msg)
+    if msg == b"stop":
+        break
+"""
+
+
+def baseline_zmq_rtt(n: int) -> float:
+    endpoint = f"ipc:///tmp/actorserve-bench-{os.getpid()}.sock"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.bind(endpoint)
+    server = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, endpoint])
+    try:
+        for _ in range(200):
+            sock.send(b"x")
+            sock.recv()
+        samples = []
+        for _ in range(n):
+            start = time.perf_counter()
+            sock.send(b"x")
+            sock.recv()
+            samples.append(time.perf_counter() - start)
+        sock.send(b"stop")
+        sock.recv()
+    finally:
+        server.wait(5)
+        sock.close(0)
+        ctx.term()
+    return percentile(samples, 50) * 1e6
+
+
+async def _wait_new(ref: ActorRef[Any], after: int) -> None:
+    while not (ref.is_running and ref.statistics().incarnation > after):
+        await anyio.sleep(0.0005)
+
+
+async def measure(quick: bool) -> dict[str, float]:
+    n_ask = 3_000 if quick else 30_000
+    n_chunks = 20_000 if quick else 200_000
+    n_kill = 10 if quick else 50
+    options = ProcessOptions(heartbeat_interval=0.5, heartbeat_timeout=10.0)
+    flags = SupervisorFlags(intensity=10**6, period=1)
+    async with open_supervisor([process_child("echo", ECHO, options=options)], flags) as sup:
+        ref = await sup.child("echo")
+        for _ in range(500):
+            await ref.ask(1)
+        samples = []
+        for _ in range(n_ask):
+            start = time.perf_counter()
+            await ref.ask(1)
+            samples.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        count = 0
+        async with ref.stream(("chunks", n_chunks, 16), buffer=256) as chunks:
+            async for _ in chunks:
+                count += 1
+        chunks_per_s = count / (time.perf_counter() - start)
+        detect, restart = [], []
+        for _ in range(n_kill):
+            incarnation = ref.statistics().incarnation
+            pid = await ref.ask("pid")
+            failed = anyio.Event()
+            killed_at = 0.0
+
+            async def pending() -> None:
+                try:
+                    await ref.ask(("sleep", 30), timeout=None)
+                except ActorCrashed:
+                    detect.append(time.perf_counter() - killed_at)
+                    failed.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pending)
+                await anyio.sleep(0.02)
+                killed_at = time.perf_counter()
+                os.kill(pid, signal.SIGKILL)
+                await failed.wait()
+                await _wait_new(ref, incarnation)
+                await ref.ask(1)
+                restart.append(time.perf_counter() - killed_at)
+    return {
+        "proc_ask_rtt_us_p50": percentile(samples, 50) * 1e6,
+        "proc_ask_rtt_us_p99": percentile(samples, 99) * 1e6,
+        "proc_stream_chunks_per_s": chunks_per_s,
+        "kill_detect_ms_p50": percentile(detect, 50) * 1e3,
+        "proc_restart_ms_p50": percentile(restart, 50) * 1e3,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (under 30 s)")
+    parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    args = parser.parse_args()
+    results = {
+        k: round(v, 2) for k, v in anyio.run(measure, args.quick, backend=args.backend).items()
+    }
+    results["baseline_zmq_rtt_us_p50"] = round(baseline_zmq_rtt(3_000 if args.quick else 30_000), 2)
+    ratio = results["proc_ask_rtt_us_p50"] / results["baseline_zmq_rtt_us_p50"]
+    rows = [
+        (
+            "ask round trip p50 (us)",
+            results["proc_ask_rtt_us_p50"],
+            f"goal <= 50; {ratio:.2f}x raw zmq",
+        ),
+        ("ask round trip p99 (us)", results["proc_ask_rtt_us_p99"], ""),
+        ("stream chunks/s (16 ids each)", results["proc_stream_chunks_per_s"], "goal >= 200k"),
+        (
+            "SIGKILL -> pending ask fails p50 (ms)",
+            results["kill_detect_ms_p50"],
+            "goal <= 5 (pidfd)",
+        ),
+        (
+            "SIGKILL -> restarted and answering p50 (ms)",
+            results["proc_restart_ms_p50"],
+            "goal <= 300",
+        ),
+        ("baseline raw zmq REQ/REP p50 (us)", results["baseline_zmq_rtt_us_p50"], "same run"),
+    ]
+    report(f"process actors ({args.backend})", rows, results)
+
+
+if __name__ == "__main__":
+    main()
