@@ -327,6 +327,22 @@ class ActorRef(Generic[R]):
         inbox.put_system((STREAM, message, channel))
         return ReplyStream(channel)
 
+    async def wait_running(self, *, after: int = 0) -> None:
+        """Return once an incarnation newer than ``after`` runs (``after=0``: any).
+
+        Pass ``ref.statistics().incarnation`` to wait for a restart. Raises
+        :class:`ActorNotRunning` if the actor ends up dead instead.
+        """
+        from actors._backend import backend
+
+        cell = self._cell
+        while not (cell.state is CellState.RUNNING and cell.incarnation > after):
+            if cell.state is CellState.DEAD:
+                raise cell.not_running_error()
+            spot = backend().parking()
+            cell._bind_waiters.append(spot)
+            await spot.park()
+
     def monitor(self) -> Monitor:
         """Watch the current incarnation; ``await monitor.wait()`` gives its :class:`Down`."""
         return Monitor(self)

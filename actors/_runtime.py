@@ -70,6 +70,7 @@ class Incarnation:
         self.kill_reason: ExitReason | None = None
         self.exit_reason: ExitReason | None = None
         self.channels: set[StreamChannel] = set()
+        self.crashed_reply: Reply | None = None  # the ask whose handler crashed the actor
         # Listeners this incarnation put on other actors' cells (monitors, links), dropped when
         # it ends, as OTP drops a dead process's monitors and links.
         self.watching: dict[int, Cell] = {}
@@ -218,11 +219,10 @@ class Incarnation:
                     result = await receive(message)
                 except reply_errors as exc:
                     extra.fail(exc)
-                except Exception as exc:
-                    extra.fail(ActorCrashed(self.ref.name, ExitReason.from_error(exc)))
-                    raise
                 except BaseException:
-                    extra.fail(ActorCrashed(self.ref.name, ExitReason.killed()))
+                    # Answered by _fail_pending once the ref has left this incarnation, so a
+                    # caller retrying at once never reaches the dying one.
+                    self.crashed_reply = extra
                     raise
                 else:
                     extra.set(result)
@@ -281,9 +281,8 @@ class Incarnation:
             channel.fail(exc)
         except StreamCancelled:
             pass
-        except Exception as exc:
-            channel.fail(ActorCrashed(self.ref.name, ExitReason.from_error(exc)))
-            raise
+        # Any other error crashes the actor: the channel, left unfinished, is failed with the
+        # exit reason by _fail_pending, once the ref has left this incarnation.
         finally:
             # Cancelled with the incarnation, the channel stays for _fail_pending to end it:
             # its consumer must get the exit reason, never hang.
@@ -292,6 +291,8 @@ class Incarnation:
 
     def _fail_pending(self, reason: ExitReason) -> None:
         error = crash_error(self.ref.name, reason)
+        if self.crashed_reply is not None:
+            self.crashed_reply.fail(error)
         for kind, _, extra in self.mailbox.close():
             if kind in (ASK, ASK_ABORTABLE, STREAM):
                 extra.fail(error)

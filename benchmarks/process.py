@@ -63,9 +63,30 @@ def baseline_zmq_rtt(n: int) -> float:
     return percentile(samples, 50) * 1e6
 
 
-async def _wait_new(ref: ActorRef[Any], after: int) -> None:
-    while not (ref.is_running and ref.statistics().incarnation > after):
-        await anyio.sleep(0.0005)
+async def _kill_and_restart(ref: ActorRef[Any]) -> tuple[float, float]:
+    """Seconds from SIGKILL to a pending ask failing, and to the new incarnation answering."""
+    incarnation = ref.statistics().incarnation
+    pid = await ref.ask("pid")
+    failed = anyio.Event()
+    times: dict[str, float] = {}
+
+    async def pending() -> None:
+        try:
+            await ref.ask(("sleep", 30), timeout=None)
+        except ActorCrashed:
+            times["detected"] = time.perf_counter()
+            failed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pending)
+        await anyio.sleep(0.02)
+        killed_at = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+        await failed.wait()
+        await ref.wait_running(after=incarnation)
+        await ref.ask(1)
+        answered = time.perf_counter()
+    return times["detected"] - killed_at, answered - killed_at
 
 
 async def measure(quick: bool) -> dict[str, float]:
@@ -91,27 +112,9 @@ async def measure(quick: bool) -> dict[str, float]:
         chunks_per_s = count / (time.perf_counter() - start)
         detect, restart = [], []
         for _ in range(n_kill):
-            incarnation = ref.statistics().incarnation
-            pid = await ref.ask("pid")
-            failed = anyio.Event()
-            killed_at = 0.0
-
-            async def pending() -> None:
-                try:
-                    await ref.ask(("sleep", 30), timeout=None)
-                except ActorCrashed:
-                    detect.append(time.perf_counter() - killed_at)
-                    failed.set()
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(pending)
-                await anyio.sleep(0.02)
-                killed_at = time.perf_counter()
-                os.kill(pid, signal.SIGKILL)
-                await failed.wait()
-                await _wait_new(ref, incarnation)
-                await ref.ask(1)
-                restart.append(time.perf_counter() - killed_at)
+            took = await _kill_and_restart(ref)
+            detect.append(took[0])
+            restart.append(took[1])
     return {
         "proc_ask_rtt_us_p50": percentile(samples, 50) * 1e6,
         "proc_ask_rtt_us_p99": percentile(samples, 99) * 1e6,

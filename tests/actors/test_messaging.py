@@ -173,10 +173,6 @@ async def test_a_retry_after_actor_crashed_never_reaches_the_dead_incarnation() 
             assert await failing.ask("ping") == "pong"
         except ActorRestarting:
             pass
-        with pytest.raises(ActorCrashed):
-            async with waiting.stream(3) as replies:  # Worker serves no streams: a reply error
-                await replies.receive()
-        assert await waiting.ask("ping") == "pong"
 
 
 async def test_ask_that_crashes_gets_actor_crashed() -> None:

@@ -159,6 +159,7 @@ async def test_crash_in_the_stream_handler_is_a_typed_error_and_crashes_the_acto
                     got.append(r)
         assert got == [0, 1]
         assert isinstance(info.value.reason.error, Boom)
+        assert not ref.is_running  # the error came once the incarnation was gone
         assert (await monitor.wait()).reason.kind == "error"
         await sup.count_children()
         assert ref.statistics().incarnation == 2
