@@ -42,6 +42,7 @@ class AsyncSocket:
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self.socket = sock
+        self._waiting: anyio.CancelScope | None = None
         self._fd = int(sock.getsockopt(zmq.FD))
 
     @classmethod
@@ -66,7 +67,11 @@ class AsyncSocket:
     async def wait_readable(self) -> None:
         """Return once a message can be received."""
         while not has_input(self.socket):
-            await anyio.wait_readable(self._fd)
+            # A send from another task can consume the FD's edge while a message waits; such a
+            # send cancels this scope so the loop re-checks EVENTS.
+            with anyio.CancelScope() as self._waiting:
+                await anyio.wait_readable(self._fd)
+            self._waiting = None
 
     def recv_multipart_nowait(self) -> list[bytes] | None:
         """One message if one is queued, else ``None``."""
@@ -90,6 +95,8 @@ class AsyncSocket:
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             return False
+        if self._waiting is not None and has_input(self.socket):
+            self._waiting.cancel()
         return True
 
     async def send_multipart(self, frames: Sequence[bytes | memoryview], copy: bool = True) -> None:
@@ -99,6 +106,13 @@ class AsyncSocket:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+    def abort(self) -> None:
+        """Close now, from the event loop, even while a task waits to receive: that task raises
+        ``ClosedResourceError`` (rather than waiting on a dead FD forever). Fault injection
+        uses it to model a dropped connection."""
+        anyio.notify_closing(self._fd)
+        self.close()
 
     @property
     def closed(self) -> bool:

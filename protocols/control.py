@@ -11,15 +11,19 @@ from protocols.engine import MemoryTag, PauseMode
 __all__ = [
     "Abort",
     "ContinueGeneration",
+    "Drain",
     "EngineStats",
     "FlushCache",
     "GetCapacity",
     "GetHealthPayload",
     "GetStats",
+    "InjectFault",
     "IsQuiescent",
     "Pause",
+    "Perturb",
     "ReleaseMemory",
     "ResumeMemory",
+    "Undrain",
     "WaitQuiescent",
 ]
 
@@ -80,6 +84,43 @@ class GetStats:
 
 
 @attrs.frozen
+class Drain:
+    """Stop admitting: new streams fail with ``WorkerDraining``; with ``handover`` the running
+    ones are aborted and end with ``WorkerDraining`` too (so their request streams migrate them),
+    never with a ``cancelled`` finish."""
+
+    handover: bool = True
+    shutdown: bool = False  # end handed-over streams with EngineShutdown instead
+
+
+@attrs.frozen
+class Undrain:
+    pass
+
+
+@attrs.frozen
+class InjectFault:
+    """Fault injection for tests and scenarios: the next ``count`` calls of ``operation``
+    (``release_memory``, ``resume_memory``, ``pause``, ``generate``, ``health``: the health
+    checker's canary payload) raise."""
+
+    operation: str
+    count: int = 1
+
+
+@attrs.frozen
+class Perturb:
+    """Fault injection for scenarios, acting at once on the engine actor: ``crash`` raises a
+    non-reply error out of the handler (the engine actor crashes and its supervisor restarts it);
+    ``hang`` stops generation without telling anyone (the process still answers heartbeats and
+    stats, as a hung GPU would); ``unhang`` undoes it; ``slow`` divides the engine's speed by
+    ``factor`` from its next step on (``factor`` 1 restores it; mock engine only)."""
+
+    action: str
+    factor: float = 1.0
+
+
+@attrs.frozen
 class EngineStats:
     """What the worker's health checker and the lifecycle read from an engine actor."""
 
@@ -91,6 +132,7 @@ class EngineStats:
     kv_used_blocks: int = -1  # blocks held by requests (not the prefix cache); -1: unknown
     engine_in_flight: int = -1  # requests the engine itself still tracks; -1: unknown
     pid: int = 0  # the engine process
+    admitting: bool = True
 
 
 for _cls in (
@@ -106,5 +148,9 @@ for _cls in (
     GetHealthPayload,
     GetStats,
     EngineStats,
+    Drain,
+    Undrain,
+    InjectFault,
+    Perturb,
 ):
     codec.register(_cls, f"control.{_cls.__name__}")

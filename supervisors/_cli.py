@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,15 +12,19 @@ import structlog
 import typer
 from rich.console import Console
 
-from supervisors._control import ControlServer, default_control_path, request_tree
-from supervisors._open import open_supervisor
-from supervisors._spec import ChildSpec, SupervisorFlags
+from scenarios._cli import app as scenario_app  # light: the serving stack loads on use
+from supervisors._api import SupervisorRef
+from supervisors._control import default_control_path, request_tree
+from supervisors._control_api import load_token
+from supervisors._lifecycle import Budgets
+from supervisors._root import RootOptions, run_root
 from supervisors._tree import render_tree, snapshot_tree
 
 app = typer.Typer(
     help="Serve LLMs with SGLang engines as actors under supervision trees.", no_args_is_help=True
 )
 console = Console(stderr=True)
+app.add_typer(scenario_app, name="scenario")
 
 
 @app.callback()
@@ -61,9 +64,22 @@ def run(
     loop: Annotated[str, typer.Option(help="Event loop of the root: asyncio or trio.")] = "asyncio",
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
     control: Annotated[str, typer.Option(help="Path of the local control socket.")] = "",
+    control_api_port: Annotated[
+        int | None, typer.Option(help="Serve the control API on this loopback port.")
+    ] = None,
+    control_token_file: Annotated[
+        str | None,
+        typer.Option(help="File holding the control API token (else $ACTORSERVE_CONTROL_TOKEN)."),
+    ] = None,
+    grace_period: Annotated[
+        float, typer.Option(help="Shutdown: seconds still serving after unregistering.")
+    ] = 2.0,
+    drain_budget: Annotated[
+        float, typer.Option(help="Shutdown: seconds for in-flight requests.")
+    ] = 30.0,
 ) -> None:
     """Start the root process: workers, router, request streams and the OpenAI-compatible API."""
-    from actors.serving import Serving, build_tree, load_config
+    from actors.serving import Serving, load_config
 
     configure_logging(log_level)
     overrides: dict[str, Any] = {
@@ -85,30 +101,36 @@ def run(
         console.print(f"[red]bad configuration:[/red] {exc}")
         raise typer.Exit(2) from None
     serving = Serving(cfg)
-    children = build_tree(serving)
-    control_path = control or default_control_path()
+    token, token_file = (
+        load_token(control_token_file) if control_api_port is not None else ("", None)
+    )
+    options = RootOptions(
+        budgets=Budgets(grace=grace_period, drain=drain_budget),
+        control_socket=control or default_control_path(),
+        control_api_port=control_api_port,
+        control_token=token,
+    )
 
     async def main() -> None:
-        with console.status(f"starting {len(serving.roles)} {cfg.backend} workers ({cfg.mode})..."):
-            root_cm = open_supervisor(
-                children, SupervisorFlags(intensity=3, period=60), name="root"
-            )
-            root = await root_cm.__aenter__()
-        try:
-            await root.start_child(ChildSpec("control", lambda: ControlServer(root, control_path)))
-            with anyio.fail_after(300):
-                await serving.table.wait_routable(len(serving.roles))
+        status = console.status(
+            f"starting {len(serving.roles)} {cfg.backend} workers ({cfg.mode})..."
+        )
+        status.start()
+
+        async def ready(root: SupervisorRef) -> None:
+            status.stop()
             console.print(render_tree(await snapshot_tree(root)))
             console.print(
                 f"[bold green]ready[/bold green]: http://{cfg.host}:{serving.port}/v1 "
-                f"(model {cfg.model!r}); Ctrl-C stops"
+                f"(model {cfg.model!r}); Ctrl-C or SIGTERM stops gracefully, twice exits at once"
             )
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    console.print(f"{signal.Signals(signum).name}: stopping")
-                    break
+            if token_file:
+                console.print(f"control API token written to {token_file}")
+
+        try:
+            await run_root(serving, options, on_ready=ready)
         finally:
-            await root_cm.__aexit__(None, None, None)
+            status.stop()
         console.print("stopped cleanly")
 
     anyio.run(main, backend=loop)

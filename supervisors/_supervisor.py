@@ -116,7 +116,10 @@ class Supervisor(Actor):
                 child = self._add(spec)
                 await self._start(child)
             except ChildStartFailed:
-                self._children.pop(spec.id, None)
+                failed = self._children.pop(spec.id, None)
+                if failed is not None:
+                    # Free its name too, or this supervisor's next incarnation meets NameTaken.
+                    self._release([failed])
                 await self._terminate_all()
                 raise
             if child.inc is None and spec.restart is Restart.TEMPORARY:
@@ -433,6 +436,8 @@ class Supervisor(Actor):
         self, spec: ChildSpec | None, args: tuple[Any, ...]
     ) -> ActorRef[Any] | None:
         if self._dynamic:
+            if spec is not None:  # OTP: simple_one_for_one takes start arguments, not specs
+                raise SupervisorError("simple_one_for_one starts children with start_dynamic")
             template = self._specs[0]
             child = self._add(template, args, f"{template.id}-{next(self._dynamic_ids)}")
         else:

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 import trio
+import trio.lowlevel
 
 from actors import ActorCrashed
 from actors.examples.embed_asyncio import CHILDREN
@@ -25,7 +26,7 @@ async def app_task(name: str, counter: Any, n: int) -> None:
     """One of the application's own trio tasks."""
     for _ in range(n):
         await counter.tell(1)
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
     print(f"{name}: told the counter {n} times", flush=True)
 
 

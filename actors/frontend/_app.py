@@ -27,6 +27,7 @@ from ._errors import (
     error_type_label,
     http_exception_response,
     internal_error_handler,
+    internal_error_response,
     invalid,
     validation_error_response,
 )
@@ -86,15 +87,18 @@ def create_app(
     *,
     max_inflight: int | None = None,
     retry_after_s: int = 1,
-    ping_interval_s: float = 15.0,
+    ping_interval_s: float = 0.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The frontend's ASGI app for ``backend``.
 
     Frontend metrics are registered on ``registry``, which ``/metrics`` exposes (with the
     backend's own registry, if it has one). ``max_inflight`` caps concurrent generation requests
-    (beyond it: 503 with ``Retry-After: retry_after_s``); ``ping_interval_s`` is the SSE keep-alive
-    comment interval; larger bodies than ``max_body_bytes`` get a 413.
+    (beyond it: 503 with ``Retry-After: retry_after_s``); larger bodies than ``max_body_bytes``
+    get a 413. ``ping_interval_s > 0`` sends SSE keep-alive comments (``: ping``) during quiet
+    stretches of a stream, for proxies that cut idle connections; off by default, like vLLM's and
+    SGLang's servers, because the ping task costs about as much CPU per stream as the rest of the
+    SSE machinery.
     """
     frontend = _Frontend(backend, registry, max_inflight, retry_after_s, ping_interval_s)
     ops = Ops(backend, registry)
@@ -234,29 +238,53 @@ class _Frontend:
         m: RequestMetrics,
         echo: str,
     ) -> Response:
-        stop = preq.stop_conditions.stop or ()
         choice = Choice(
             info.tokenizer.detokenizer(preq.token_ids),
             prompt_tokens=len(preq.token_ids),
-            stop=stop,
+            stop=preq.stop_conditions.stop or (),
             min_tokens=preq.stop_conditions.min_tokens or 0,
         )
-        m.admitted(info.name, "stream" if body.stream else "unary", len(preq.token_ids))
-        self.inflight += 1
-        outputs = self.backend.generate(info.name, preq)
         if body.stream:
-            return await self._stream(request, outputs, choice, renderer, m, echo)
-        return await self._unary(request, outputs, choice, renderer, m, echo)
+            # Everything that touches the backend runs in the response's task: the first output
+            # (which decides the status line), the stream, the close. sse-starlette's disconnect
+            # listener covers all of it, the wait for the first output included.
+            gone = anyio.Event()
+
+            async def on_disconnect(message: Mapping[str, Any]) -> None:
+                gone.set()
+
+            # Counted in flight now, so max_inflight holds however many requests arrive at once;
+            # the stream's own finally (it always runs: the response always starts iterating it)
+            # counts it out.
+            self._enter(m, info, preq, "stream")
+            events = self._events(info, preq, choice, renderer, m, echo, gone)
+            return SSEResponse(
+                events,
+                ping=self.ping_interval_s,
+                sep="\n",
+                client_close_handler_callable=on_disconnect,
+            )
+        self._enter(m, info, preq, "unary")
+        return await self._unary(request, info, preq, choice, renderer, m, echo)
+
+    def _enter(
+        self, m: RequestMetrics, info: ModelInfo, preq: PreprocessedRequest, kind: str
+    ) -> None:
+        m.admitted(info.name, kind, len(preq.token_ids))
+        self.inflight += 1
 
     async def _unary(
         self,
         request: Request,
-        outputs: AsyncIterator[EngineOutput],
+        info: ModelInfo,
+        preq: PreprocessedRequest,
         choice: Choice,
         renderer: Renderer,
         m: RequestMetrics,
         echo: str,
     ) -> Response:
+        outputs = self.backend.generate(info.name, preq)
+
         async def collect() -> tuple[str, str]:
             parts = [echo]
             while True:
@@ -280,59 +308,40 @@ class _Frontend:
             renderer.body(text, finish, choice.final_usage()), media_type="application/json"
         )
 
-    async def _stream(
+    async def _events(
         self,
-        request: Request,
-        outputs: AsyncIterator[EngineOutput],
+        info: ModelInfo,
+        preq: PreprocessedRequest,
         choice: Choice,
         renderer: Renderer,
         m: RequestMetrics,
         echo: str,
-    ) -> Response:
-        # Wait for the first output before sending headers, so an error raised before it gets its
-        # own HTTP status rather than an error event in a 200 stream. The client may leave
-        # meanwhile (a long queue or prefill): that cancels the wait and the request.
-        try:
-            first, disconnected = await until_disconnected(
-                request.receive, lambda: next_output(outputs)
-            )
-            if first is None or disconnected:
-                await aclose_quietly(outputs)
-                self._finish(m, "cancelled", disconnected=True)
-                return Response(status_code=499)
-            text, finish = choice.on_output(first)
-            m.tokens(len(first.token_ids))
-        except BaseException:
-            await aclose_quietly(outputs)
-            raise
-        gone = anyio.Event()
-
-        async def on_disconnect(message: Mapping[str, Any]) -> None:
-            gone.set()
-
-        events = self._events(outputs, echo + text, finish, choice, renderer, m, gone)
-        return SSEResponse(
-            events,
-            ping=self.ping_interval_s,
-            sep="\n",
-            client_close_handler_callable=on_disconnect,
-        )
-
-    async def _events(
-        self,
-        outputs: AsyncIterator[EngineOutput],
-        text: str,
-        finish: str | None,
-        choice: Choice,
-        renderer: Renderer,
-        m: RequestMetrics,
         gone: anyio.Event,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[bytes | Response | None]:
+        """The body of an SSE response: its head (see :class:`SSEResponse`), then frames."""
         status, error_type = "cancelled", ""
+        outputs: AsyncIterator[EngineOutput] | None = None
         try:
+            try:
+                outputs = self.backend.generate(info.name, preq)
+                first = await next_output(outputs)
+                text, finish = choice.on_output(first)
+                m.tokens(len(first.token_ids))
+            except RequestError as exc:
+                # Nothing was sent yet: the error keeps its own status (and Retry-After).
+                status, error_type = "error", error_type_label(exc)
+                yield error_response(exc, retry_after_s=self.retry_after_s)
+                return
+            except Exception as exc:
+                status, error_type = "error", "internal"
+                log.error("request failed", exc_info=exc)
+                yield internal_error_response()
+                return
+            yield None  # the head: a 200 stream follows
             start = renderer.start()
             if start is not None:
                 yield start
+            text = echo + text
             if text or finish is not None:
                 yield renderer.delta(text, finish)
             if finish is None:
@@ -361,7 +370,8 @@ class _Frontend:
             yield error_frame(error_body(500, "internal server error", "internal"))
             yield DONE_FRAME
         finally:
-            await aclose_quietly(outputs)
+            if outputs is not None:
+                await aclose_quietly(outputs)
             self._finish(m, status, error_type, disconnected=gone.is_set())
 
     # --- outcomes ---------------------------------------------------------------------------
@@ -379,11 +389,7 @@ class _Frontend:
     def _internal(self, m: RequestMetrics, exc: Exception) -> Response:
         log.error("request failed", exc_info=exc)
         self._finish(m, "error", "internal")
-        return Response(
-            error_body(500, "internal server error", "internal"),
-            status_code=500,
-            media_type="application/json",
-        )
+        return internal_error_response()
 
     async def on_validation_error(self, request: Request, exc: RequestValidationError) -> Response:
         path = request.url.path

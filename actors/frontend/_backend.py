@@ -39,6 +39,11 @@ class Backend(Protocol):
     closed with ``aclose()`` (async generators see ``GeneratorExit``). Both mean "the client
     cancelled": abort the engine request, free its KV, never migrate. ``aclose()`` runs shielded
     from cancellation for a few seconds, so cleanup that must await (sending the abort) can.
+
+    Task contract: a stream's first output is awaited in the HTTP request's task (its status code
+    depends on it), later ones in the SSE response's task. So the iterator must not keep
+    task-bound state open across a ``yield`` (a cancel scope, a task group, a held lock), which
+    anyio and trio forbid in async generators anyway.
     """
 
     def models(self) -> list[ModelInfo]:

@@ -35,6 +35,9 @@ __all__ = [
     "error_payload",
     "error_response",
     "error_type_label",
+    "http_exception_response",
+    "internal_error_handler",
+    "internal_error_response",
     "invalid",
     "validation_error_response",
 ]
@@ -161,11 +164,16 @@ def http_exception_response(exc: HTTPException) -> Response:
     )
 
 
-async def internal_error_handler(request: Request, exc: Exception) -> Response:
-    """Anything unexpected that escaped a route: logged with its traceback, answered 500."""
-    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+def internal_error_response() -> Response:
+    """500 for a failure of ours: the details go to the log, never to the client."""
     return Response(
         error_body(500, "internal server error", "internal"),
         status_code=500,
         media_type="application/json",
     )
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> Response:
+    """Anything unexpected that escaped a route: logged with its traceback, answered 500."""
+    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return internal_error_response()

@@ -60,6 +60,9 @@ class ForkServer:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,
+            # Its own session: signals to the root's process group (Ctrl-C, a shell's kill of the
+            # job) reach the root only, which stops its actor processes in order.
+            start_new_session=True,
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._in = self._proc.stdin

@@ -9,6 +9,8 @@ link re-checks ``EVENTS`` and schedules a drain if needed.
 from __future__ import annotations
 
 import asyncio
+import math
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import sniffio
@@ -20,6 +22,9 @@ from actors._zmq import context, has_input
 __all__ = ["Link", "LinkBroken"]
 
 FrameHandler = Callable[[list[bytes]], None]
+
+
+_BACKLOG_RETRY_S = 0.001
 
 
 class LinkBroken(ActorError, ConnectionError):
@@ -41,6 +46,9 @@ class Link:
         self._error: BaseException | None = None
         self._kick: Callable[[], None] | None = None
         self._wake: Callable[[], None] = lambda: None
+        # Frames ZMQ would not take at once (EAGAIN): sent, in order, as soon as it does.
+        self._backlog: deque[Sequence[bytes]] = deque()
+        self._retry: Callable[[], None] = lambda: None
 
     def bind(self, endpoint: str) -> str:
         if endpoint.endswith(":0"):
@@ -55,12 +63,30 @@ class Link:
     def send(self, frames: Sequence[bytes]) -> None:
         """Queue ``frames`` (never blocks: the high-water mark is off; flow control is the
         actors' job, through credits and mailbox capacity)."""
+        if self._backlog or not self._try_send(frames):
+            if self.socket.closed:
+                raise LinkBroken("the socket is closed")
+            self._backlog.append(frames)
+        if (
+            self._kick is not None
+            and not self._draining
+            and (self._backlog or has_input(self.socket))
+        ):
+            self._kick()
+
+    def _try_send(self, frames: Sequence[bytes]) -> bool:
         try:
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=len(frames[-1]) < 65536)
+        except zmq.Again:
+            return False
         except zmq.ZMQError as exc:
             raise LinkBroken(f"send failed: {exc}") from exc
-        if self._kick is not None and not self._draining and has_input(self.socket):
-            self._kick()
+        return True
+
+    def _flush(self) -> None:
+        backlog = self._backlog
+        while backlog and self._try_send(backlog[0]):
+            backlog.popleft()
 
     def drain(self) -> None:
         """Handle every queued message now (runs in the event loop thread)."""
@@ -69,8 +95,12 @@ class Link:
         self._draining = True
         try:
             sock = self.socket
+            self._flush()
             while has_input(sock):
                 self._on_frames(sock.recv_multipart(zmq.NOBLOCK, copy=True))
+            self._flush()
+            if self._backlog:
+                self._retry()
         except BaseException as exc:
             if self._error is None:
                 self._error = exc
@@ -98,7 +128,11 @@ class Link:
         def kick() -> None:
             loop.call_soon(self.drain)
 
+        def retry() -> None:
+            loop.call_later(_BACKLOG_RETRY_S, self.drain)
+
         self._kick = kick
+        self._retry = retry
         loop.add_reader(self._fd, self.drain)
         try:
             self.drain()
@@ -118,7 +152,9 @@ class Link:
             while self._error is None:
                 self.drain()
                 if self._error is None:
-                    await trio.lowlevel.wait_readable(self._fd)
+                    # With a backlog, also retry on a timer: the FD may not signal writability.
+                    with trio.move_on_after(_BACKLOG_RETRY_S if self._backlog else math.inf):
+                        await trio.lowlevel.wait_readable(self._fd)
         finally:
             self._kick = None
         raise self._error

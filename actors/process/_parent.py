@@ -36,6 +36,7 @@ from protocols import codec
 __all__ = ["ProcessActor", "ProcessDied", "ProcessOptions"]
 
 _ids = itertools.count(1)
+_LAST_FRAMES_S = 0.1
 
 
 @attrs.frozen
@@ -235,7 +236,10 @@ class ProcessActor(Actor):
         if self._exited.is_set() or self._pidfd is None:
             await anyio.sleep(0.005)  # the sentinel watcher is gone (crash path): poll briefly
         else:
-            await self._exited.wait()
+            # Bounded: the sentinel watcher that sets the event may already be cancelled (the
+            # child's abnormal EXIT frame crashed us first), so the caller's loop re-checks.
+            with anyio.move_on_after(0.05):
+                await self._exited.wait()
 
     # -- watching ------------------------------------------------------------------------------
 
@@ -247,12 +251,21 @@ class ProcessActor(Actor):
             self.wire.drain()  # frames it sent before exiting (START_FAILED, EXIT) come first
             if self._stopping:
                 return
+            if self._remote_exit is None:
+                # Fail every pending call now (a SIGKILL sends no EXIT), then give a last EXIT
+                # still in flight through ZMQ's I/O thread a moment to tell a clean stop.
+                cause = self._kill_cause
+                died = ProcessDied(self.ref.name, None, cause)
+                self._fail_calls(ActorCrashed(self.ref.name, ExitReason.from_error(died)))
+                with anyio.move_on_after(_LAST_FRAMES_S):
+                    while self._remote_exit is None and self._ready_done():
+                        await anyio.sleep(0.005)
+                        self.wire.drain()
             remote = self._remote_exit
             if remote is not None and not remote.is_abnormal:
                 self._shutdown(crash_error(self.ref.name, remote))
                 self.stop(remote)
                 return
-            # Fail every pending call now; the exit status (from the forkserver) only names it.
             cause = self._kill_cause or (str(remote) if remote is not None else None)
             self._shutdown(
                 ActorCrashed(
@@ -299,6 +312,12 @@ class ProcessActor(Actor):
                 channel.finish()
         elif kind == f.ERROR:
             error = codec.decode_error(frames[1])
+            if isinstance(error, codec.RemoteError) and error.type_name.endswith(
+                "._errors.ActorNotRunning"
+            ):
+                # The actor in the child is stopping (a SIGTERM): to callers it is not running,
+                # a typed actor error (a request stream migrates it), not an opaque remote one.
+                error = ActorNotRunning(self.ref.name)
             pending = self.asks.pop(corr, None) or self.streams.pop(corr, None)
             if pending is not None:
                 pending.fail(error)
@@ -318,6 +337,9 @@ class ProcessActor(Actor):
                 raise error
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _ready_done(self) -> bool:
+        return self._ready is None or self._ready.done
 
     def _alive(self) -> bool:
         if self._pidfd is None or self._exited.is_set():

@@ -35,6 +35,8 @@ class ServeConfig:
     max_inflight: int | None = 1024
     heartbeat_timeout: float = 5.0
     health_idle_after: float = 10.0
+    health_timeout: float = 3.0  # for a whole canary stream
+    health_failures: int = 3  # consecutive failed canaries before the worker is failed
     tokenizer: str | None = None  # a local tokenizer folder; the mock uses a byte tokenizer
 
     def __attrs_post_init__(self) -> None:

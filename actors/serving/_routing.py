@@ -17,7 +17,7 @@ import attrs
 
 from actors import ActorRef
 from actors.engines import AllBlocksCleared, BlockRemoved, BlockStored, prompt_page_hashes
-from protocols.engine import Capacity
+from protocols.engine import Capacity, MemoryTag
 from protocols.errors import NoWorkerAvailable
 
 __all__ = ["Policy", "Role", "RoutingTable", "WorkerEntry"]
@@ -39,6 +39,8 @@ class WorkerEntry:
     waiting: int = 0
     cache_usage: float = 0.0
     blocks: set[int] = attrs.field(factory=set)  # cached page hashes (all DP ranks)
+    released: set[MemoryTag] = attrs.field(factory=set)  # memory the lifecycle released
+    paused: bool = False  # generation paused by the lifecycle (for a release)
 
     @property
     def routable(self) -> bool:

@@ -7,6 +7,7 @@ import msgspec
 from actors import Actor, current_registry
 from actors.frontend import ByteTokenizer, HFTokenizer, ModelInfo, Tokenizer, create_app, serve
 from actors.process import ProcessOptions
+from actors.serving._admission import Admission
 from actors.serving._config import ServeConfig
 from actors.serving._request import RequestStream, StreamOptions
 from actors.serving._router import Router
@@ -36,6 +37,8 @@ class Serving:
             HFTokenizer(config.tokenizer) if config.tokenizer else ByteTokenizer()
         )
         self.port: int | None = None
+        self.admission = Admission()
+        self.admission = Admission()
 
     @property
     def router_name(self) -> str:
@@ -82,11 +85,8 @@ class Frontend(Actor):
         if streams is None:
             raise LookupError(f"no {serving.streams_name!r} supervisor")
         model = ModelInfo(cfg.model, serving.context_length(), serving.tokenizer)
-        app = create_app(
-            ModelService(model, SupervisorRef(streams), serving.table),
-            REGISTRY,
-            max_inflight=cfg.max_inflight,
-        )
+        service = ModelService(model, SupervisorRef(streams), serving.table, serving.admission)
+        app = create_app(service, REGISTRY, max_inflight=cfg.max_inflight)
         serving.port = await self.task_group.start(serve, app, cfg.host, cfg.port)
 
 
@@ -94,7 +94,11 @@ def _pool(serving: Serving, role: str) -> ChildSpec:
     cfg = serving.config
     ids = [wid for wid, r in serving.roles.items() if (r == "prefill") == (role == "prefill")]
     process = ProcessOptions(heartbeat_timeout=cfg.heartbeat_timeout)
-    health = HealthOptions(idle_after=cfg.health_idle_after)
+    health = HealthOptions(
+        idle_after=cfg.health_idle_after,
+        timeout=cfg.health_timeout,
+        failures=cfg.health_failures,
+    )
     engine_role = serving.roles[ids[0]]
     workers = [
         worker_spec(

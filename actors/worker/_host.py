@@ -15,10 +15,14 @@ import msgspec
 
 from actors import Actor, ExitReason, ReplyError
 from protocols import control as c
-from protocols.engine import Engine, EngineOutput, PreprocessedRequest
-from protocols.errors import RequestError
+from protocols.engine import Engine, EngineOutput, PauseMode, PreprocessedRequest
+from protocols.errors import EngineFailure, EngineShutdown, RequestError, WorkerDraining
 
-__all__ = ["EngineHost", "build_engine"]
+__all__ = ["EngineHost", "InjectedCrash", "build_engine"]
+
+
+class InjectedCrash(Exception):
+    """Raised by ``control.Perturb("crash")``: a fault injected into the engine actor."""
 
 
 def build_engine(backend: str, config: bytes, task_group: Any) -> Engine:
@@ -54,6 +58,10 @@ class EngineHost(Actor):
         self.finished = 0
         self.last_output = time.monotonic()
         self._capacity: Any = None
+        self.admitting = True
+        self._running: set[str] = set()
+        self._handed_over: dict[str, RequestError] = {}
+        self._faults: dict[str, int] = {}
 
     async def started(self) -> None:
         self.engine = build_engine(self.backend, self.config, self.task_group)
@@ -76,13 +84,22 @@ class EngineHost(Actor):
             case c.Abort(rid=rid):
                 await engine.abort(rid)
             case c.Pause(mode=mode):
+                self._fault("pause")
                 await engine.pause(mode)
             case c.ContinueGeneration():
                 await engine.continue_generation()
             case c.ReleaseMemory(tags=tags):
+                self._fault("release_memory")
                 await engine.release_memory(tags)
             case c.ResumeMemory(tags=tags):
+                self._fault("resume_memory")
                 await engine.resume_memory(tags)
+            case c.Drain(handover=handover, shutdown=shutdown):
+                await self._drain(handover, shutdown)
+            case c.Undrain():
+                self.admitting = True
+            case c.InjectFault(operation=operation, count=count):
+                self._faults[operation] = self._faults.get(operation, 0) + count
             case c.FlushCache():
                 return await engine.flush_cache()
             case c.IsQuiescent():
@@ -93,7 +110,10 @@ class EngineHost(Actor):
                     raise ReplyError("this engine cannot wait for quiescence")
                 await waiter()
             case c.GetHealthPayload():
+                self._fault("health")
                 return engine.health_payload()
+            case c.Perturb(action=action, factor=factor):
+                await self._perturb(action, factor)
             case c.GetStats():
                 released = getattr(engine, "released_tags", ())
                 native = engine.statistics() if hasattr(engine, "statistics") else None
@@ -106,24 +126,76 @@ class EngineHost(Actor):
                     kv_used_blocks=getattr(native, "used_blocks", -1),
                     engine_in_flight=getattr(native, "in_flight", -1),
                     pid=os.getpid(),
+                    admitting=self.admitting,
                 )
             case _:
                 return await super().receive(message)
         return None
 
+    async def _perturb(self, action: str, factor: float) -> None:
+        """Fault injection (scenarios): see ``protocols.control.Perturb``."""
+        assert self.engine is not None
+        if action == "crash":
+            # Not a reply error: it escapes the handler and crashes this actor.
+            raise InjectedCrash("injected crash of the engine actor's handler")
+        if action == "hang":
+            # Straight to the engine, not through our own pause bookkeeping: from the outside
+            # this must look like an engine that stopped making progress, nothing else.
+            await self.engine.pause(PauseMode.IN_PLACE)
+        elif action == "unhang":
+            await self.engine.continue_generation()
+        elif action == "slow" and hasattr(self.engine, "slow_down"):
+            self.engine.slow_down(factor)
+        else:
+            raise ReplyError(f"cannot perturb a {self.backend} engine with {action!r}")
+
+    def _fault(self, operation: str) -> None:
+        left = self._faults.get(operation, 0)
+        if left:
+            self._faults[operation] = left - 1
+            raise EngineFailure(f"injected fault in {operation}")
+
+    async def _drain(self, handover: bool, shutdown: bool) -> None:
+        self.admitting = False
+        if not handover:
+            return
+        error: RequestError = (
+            EngineShutdown("the worker shut down")
+            if shutdown
+            else WorkerDraining("the worker is draining")
+        )
+        assert self.engine is not None
+        for rid in list(self._running):
+            self._handed_over[rid] = error
+            await self.engine.abort(rid)
+
     async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
         if not isinstance(message, PreprocessedRequest):
             raise ReplyError(f"expected a PreprocessedRequest, got {type(message).__name__}")
         assert self.engine is not None
+        if not self.admitting and not message.health_check:
+            raise WorkerDraining("the worker is not accepting new requests")
+        self._fault("generate")
+        rid = message.rid
         self.running += 1
+        self._running.add(rid)
         outputs = self.engine.generate(message)
         try:
             async for output in outputs:
                 self.last_output = time.monotonic()
+                handed_over = self._handed_over.pop(rid, None) if output.finish_reason else None
+                if handed_over is not None and output.finish_reason == "cancelled":
+                    # Our own abort for a drain: never let it look like a client cancel
+                    # (Dynamo's PR #13952). Deliver its tokens, then the migratable error.
+                    if output.token_ids:
+                        yield EngineOutput(token_ids=output.token_ids)
+                    raise handed_over
                 yield output
         finally:
             self.running -= 1
             self.finished += 1
+            self._running.discard(rid)
+            self._handed_over.pop(rid, None)
             # Closing the engine's stream early aborts the request (engines abort synchronously
             # in aclose, so this completes even under cancellation).
             aclose = getattr(outputs, "aclose", None)

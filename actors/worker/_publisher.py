@@ -59,6 +59,7 @@ class Publisher(Actor):
         self.engine_name = engine_name
         self.sink = sink
         self.batches = 0
+        self._subscribers: list[KvEventSubscriber | KvMetricsSubscriber] = []
 
     async def started(self) -> None:
         engine: ActorRef[Any] | None = current_registry().whereis(self.engine_name)
@@ -82,6 +83,7 @@ class Publisher(Actor):
 
     async def _events(self, rank: int, endpoint: str, replay: str | None) -> None:
         subscriber = KvEventSubscriber(endpoint, replay, start_seq=0)
+        self._subscribers.append(subscriber)
         async with subscriber:
             while True:
                 for _seq, batch in await subscriber.receive():
@@ -91,7 +93,9 @@ class Publisher(Actor):
                         self.sink.kv_events(self.worker_id, rank, batch)
 
     async def _metrics(self, endpoint: str) -> None:
-        async with KvMetricsSubscriber(endpoint) as subscriber:
+        subscriber = KvMetricsSubscriber(endpoint)
+        self._subscribers.append(subscriber)
+        async with subscriber:
             while True:
                 metrics = await subscriber.receive()
                 rank = str(metrics.data_parallel_rank or 0)
@@ -106,4 +110,10 @@ class Publisher(Actor):
     async def receive(self, message: Any) -> Any:
         if message == "batches":
             return self.batches
+        if message == "drop_sockets":
+            # Fault injection (scenarios): the subscriptions drop under the reading tasks, which
+            # fail, so this actor crashes and its restart subscribes afresh.
+            for subscriber in self._subscribers:
+                subscriber.drop()
+            return None
         return await super().receive(message)

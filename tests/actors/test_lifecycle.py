@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from actors import Actor, ActorCrashed, ExitReason
 from supervisors import ChildSpec, Restart, SupervisorFlags, open_supervisor
-from tests.helpers.supervision import Boom, Journal, crash, exit_with, wait_until
+from tests.helpers.supervision import Boom, Journal, crash, exit_with, hang, wait_until
 
 FLAGS = SupervisorFlags(intensity=100)
 
@@ -18,7 +19,9 @@ FLAGS = SupervisorFlags(intensity=100)
 class Hooks(Actor):
     """Records its hooks, with the reason ``stopping`` got."""
 
-    def __init__(self, journal: Journal, *, slow_start: bool = False, bad_stopping: bool = False) -> None:
+    def __init__(
+        self, journal: Journal, *, slow_start: bool = False, bad_stopping: bool = False
+    ) -> None:
         self.journal = journal
         self.slow_start = slow_start
         self.bad_stopping = bad_stopping
@@ -28,7 +31,7 @@ class Hooks(Actor):
         self.journal.add("started", "begin")
         if self.slow_start:
             for _ in range(10):
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
         self.ready = True
         self.journal.add("started", "end")
 
@@ -66,7 +69,7 @@ class Hooks(Actor):
             self.journal.add("background", "ended")
 
     async def _failing(self) -> None:
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         raise Boom("background task")
 
 
@@ -136,7 +139,7 @@ async def test_no_stopping_when_killed_after_the_shutdown_timeout() -> None:
     journal = Journal()
     async with open_supervisor([_spec(journal, shutdown=0.01)]) as sup:
         ref = await sup.child("h")
-        await ref.tell("hang")
+        await hang(ref)
         monitor = ref.monitor()
         await sup.terminate_child("h")
         reason = (await monitor.wait()).reason

@@ -77,7 +77,12 @@ async def test_monitor_gets_down_with_the_exit_reason() -> None:
 
 @pytest.mark.parametrize(
     "reason",
-    [ExitReason.normal(), ExitReason.shutdown(), ExitReason.shutdown("done"), ExitReason.killed("x")],
+    [
+        ExitReason.normal(),
+        ExitReason.shutdown(),
+        ExitReason.shutdown("done"),
+        ExitReason.killed("x"),
+    ],
     ids=str,
 )
 async def test_monitor_sees_every_exit_reason(reason: ExitReason) -> None:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from actors import Actor, ActorCrashed, ActorNotRunning, ReplyError
@@ -93,7 +94,7 @@ async def test_slow_consumer_bounds_the_producer_lead() -> None:
             async for _ in replies:
                 consumed += 1
                 for _ in range(20):  # let the producer run ahead as far as it can
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
                 assert actor.produced - consumed <= 4 + 1
                 assert actor.produced >= min(200, consumed + 4)  # and it did fill the buffer
         assert consumed == 200
@@ -107,7 +108,12 @@ async def test_closing_early_cancels_the_producer() -> None:
             assert await replies.receive() == 2
         await wait_until(lambda: ref._cell.runtime.actor.ended != [])
         ended = await ref.ask("ended")
-        assert ended and ended[0] in ("StreamCancelled", "CancelledError", "Cancelled", "GeneratorExit")
+        assert ended and ended[0] in (
+            "StreamCancelled",
+            "CancelledError",
+            "Cancelled",
+            "GeneratorExit",
+        )
         assert await ref.ask("produced") <= 2 + 2 + 1
         assert ref.statistics().incarnation == 1  # a cancelled stream is no crash
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -46,35 +45,3 @@ async def served(app: FastAPI, **kwargs: Any) -> AsyncIterator[str]:
         port = await tg.start(partial(serve, app, "127.0.0.1", 0, **kwargs))
         yield f"http://127.0.0.1:{port}"
         tg.cancel_scope.cancel()
-
-
-def _is_runner_call(task: object) -> bool:
-    get_coro = getattr(task, "get_coro", None)
-    coro = get_coro() if get_coro is not None else None
-    return getattr(coro, "__qualname__", "").endswith("_call_in_runner_task")
-
-
-@pytest.fixture
-async def _no_leaked_tasks() -> AsyncIterator[None]:
-    """tests/conftest.py's task-leak check, minus anyio's pytest plumbing.
-
-    On asyncio, anyio's runner wraps each fixture/test step in a fresh ``_call_in_runner_task``
-    task; the root check sees the teardown step's wrapper as a leak in every async test. Remove
-    this override once the root fixture skips those tasks.
-    """
-    from tests.conftest import _live_tasks, _task_name
-
-    before = _live_tasks()
-    yield
-    deadline = time.monotonic() + 1.0
-    while True:
-        current = anyio.get_current_task()
-        leaked = {
-            t
-            for t in _live_tasks() - before
-            if id(t) != current.id and _task_name(t) != current.name and not _is_runner_call(t)
-        }
-        if not leaked or time.monotonic() > deadline:
-            break
-        await anyio.sleep(0.01)
-    assert not leaked, f"leaked tasks: {sorted(_task_name(t) for t in leaked)}"

@@ -83,6 +83,18 @@ async def test_stream_without_usage_has_no_usage_key(base_url: str) -> None:
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_keep_alive_pings_come_after_the_status_line(backend: FakeBackend) -> None:
+    backend.delay = 0.05  # quiet stretches, the wait for the first output included
+    backend.chunk = 24
+    app = create_app(backend, CollectorRegistry(), ping_interval_s=0.01)
+    async with served(app) as url, httpx.AsyncClient(base_url=url) as client:
+        r = await client.post(CHAT, json=chat_body(stream=True))
+    assert r.status_code == 200
+    assert ": ping" in r.text
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks(r.text))
+    assert content == ANSWER
+
+
 async def test_completion_with_max_tokens(base_url: str, backend: FakeBackend) -> None:
     prompt = "Say something"
     async with httpx.AsyncClient(base_url=base_url) as client:

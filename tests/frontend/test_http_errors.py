@@ -188,6 +188,20 @@ async def test_max_inflight_overload_is_503_with_retry_after(backend: FakeBacken
             assert "in flight" in error["message"]
 
 
+async def test_max_inflight_holds_for_requests_arriving_together(backend: FakeBackend) -> None:
+    backend.hang_after = 1
+    app = create_app(backend, CollectorRegistry(), max_inflight=2)
+    async with served(app) as url:
+        conns = [await open_raw_stream(url, CHAT, chat_body(stream=True)) for _ in range(5)]
+        try:
+            heads = [await read_until(conn, b"\r\n") for conn in conns]
+        finally:
+            for conn in conns:
+                await conn.aclose()
+    statuses = sorted(head.split(b" ")[1] for head in heads)
+    assert statuses == [b"200", b"200", b"503", b"503", b"503"]
+
+
 def _stream_error(text: str) -> dict[str, Any]:
     events = sse_events(text)
     assert events[-1] == (None, "[DONE]")

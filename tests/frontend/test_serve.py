@@ -23,6 +23,14 @@ async def test_serve_binds_loopback_and_reports_its_port(app: FastAPI) -> None:
         tg.cancel_scope.cancel()
 
 
+async def test_a_port_in_use_fails_at_start(app: FastAPI) -> None:
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(serve, app, "127.0.0.1", 0)
+        with pytest.raises(OSError):
+            await tg.start(serve, app, "127.0.0.1", port)
+        tg.cancel_scope.cancel()
+
+
 async def test_cancel_lets_an_inflight_stream_finish(backend: FakeBackend) -> None:
     backend.delay = 0.01  # the stream lasts a while after the cancel
     app = create_app(backend, CollectorRegistry())

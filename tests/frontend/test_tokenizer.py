@@ -97,9 +97,7 @@ def test_hf_tokenizer_loads_from_folder(hf: HFTokenizer) -> None:
     assert hf.eos_token_ids == [hf.encode("<|im_end|>", add_special_tokens=False)[0]]
 
 
-def test_hf_tokenizer_accepts_a_path_or_a_loaded_tokenizer(
-    hf: HFTokenizer, tmp_path: Path
-) -> None:
+def test_hf_tokenizer_accepts_a_path_or_a_loaded_tokenizer(hf: HFTokenizer, tmp_path: Path) -> None:
     folder = build_tokenizer_folder(tmp_path)
     by_path = HFTokenizer(folder)
     by_str = HFTokenizer(str(folder), eos_token_ids=[0])

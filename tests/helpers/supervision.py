@@ -168,6 +168,12 @@ async def exit_with(
     return down
 
 
+async def hang(ref: ActorRef[Any]) -> None:
+    """Get ``ref`` stuck in a handler (sleeping for ever): a graceful stop cannot reach it."""
+    await ref.tell("hang")
+    await wait_until(lambda: ref.statistics().mailbox_size == 0)  # popped: in the handler
+
+
 async def states(sup: SupervisorRef) -> dict[str, str]:
     """``which_children`` as ``{id: state}``."""
     return {info.id: info.state for info in await sup.which_children()}

@@ -13,7 +13,7 @@ TIMETRAP_S = 90
 SLOW_TIMETRAP_S = 400  # tests marked slow (100k children on a busy machine)
 
 
-class Timetrap(Exception):  # noqa: N818 - OTP's name
+class Timetrap(Exception):
     """The test ran past its timetrap (a hang)."""
 
 

@@ -162,7 +162,7 @@ async def test_child_adm_simple() -> None:
         assert await sup.count_children() == ChildCount(specs=1, active=0, supervisors=0, workers=0)
         refs = [await sup.start_dynamic() for _ in range(3)]
         assert all(r is not None for r in refs)
-        assert len({r for r in refs}) == 3
+        assert len(set(refs)) == 3
         assert [c.ref for c in await sup.which_children()] == refs
         assert await sup.count_children() == ChildCount(specs=1, active=3, supervisors=0, workers=3)
         assert await sup.get_childspec(refs[0]) == template
@@ -177,6 +177,8 @@ async def test_child_adm_simple() -> None:
             await sup.restart_child((await sup.which_children())[0].id)
         with pytest.raises(SupervisorError, match="simple_one_for_one"):
             await sup.delete_child((await sup.which_children())[0].id)
+        with pytest.raises(SupervisorError, match="simple_one_for_one"):
+            await sup.start_child(worker_spec("other"))
         assert await sup.count_children() == ChildCount(specs=1, active=2, supervisors=0, workers=2)
 
 

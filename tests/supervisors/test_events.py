@@ -68,7 +68,9 @@ async def test_child_events_are_logged_and_counted() -> None:
 async def test_escalation_is_logged_and_counted() -> None:
     name = f"events-{next(_names)}"
     with capture_logs() as logs, pytest.raises(SupervisorExited):
-        async with open_supervisor([worker_spec("a")], SupervisorFlags(intensity=0), name=name) as sup:
+        async with open_supervisor(
+            [worker_spec("a")], SupervisorFlags(intensity=0), name=name
+        ) as sup:
             await crash(await sup.child("a"))
             await anyio.sleep_forever()
     assert any(e["event"] == "escalated" and e["log_level"] == "warning" for e in logs)

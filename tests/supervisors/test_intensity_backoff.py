@@ -169,7 +169,7 @@ async def test_failed_restarts_back_off_too() -> None:
             assert clock.slept[-1] == expected
             attempts = control.attempts
             clock.advance(expected)
-            await wait_until(lambda: control.attempts == attempts + 1)
+            await wait_until(lambda n=attempts: control.attempts == n + 1)
         control.fail_always = False
         await wait_until(lambda: clock.sleepers == 1)
         clock.advance(clock.slept[-1])

@@ -1,5 +1,5 @@
 """OTP's normal_termination / shutdown_termination / abnormal_termination / temporary_bystander
-cases: restart types × exit reasons."""
+cases: restart types x exit reasons."""
 
 from __future__ import annotations
 

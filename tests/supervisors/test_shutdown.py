@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from actors import Actor, ActorRef, ExitReason, Monitor
@@ -18,7 +19,7 @@ from supervisors import (
     SupervisorRef,
     open_supervisor,
 )
-from tests.helpers.supervision import Boom, Journal, Worker, wait_until, worker_spec
+from tests.helpers.supervision import Boom, Journal, Worker, hang, wait_until, worker_spec
 
 SIMPLE = SupervisorFlags(Strategy.SIMPLE_ONE_FOR_ONE, intensity=1000)
 
@@ -37,7 +38,7 @@ async def test_shutdown_timeout_kills_a_child_stuck_in_a_handler() -> None:
     specs = [worker_spec(tag, journal, shutdown=0.05) for tag in ("a", "sleeper", "c")]
     async with open_supervisor(specs) as sup:
         monitors = await _monitors(sup)
-        await (await sup.child("sleeper")).tell("hang")
+        await hang(await sup.child("sleeper"))
     reasons = await _reasons(monitors)
     assert reasons["a"] == reasons["c"] == ExitReason.shutdown()
     assert reasons["sleeper"] == ExitReason.killed("shutdown timeout")
@@ -47,12 +48,15 @@ async def test_shutdown_timeout_kills_a_child_stuck_in_a_handler() -> None:
 async def test_shutdown_infinity_waits_for_the_child() -> None:
     gate = anyio.Event()
     slow = Worker("slow", stopping_gate=gate)
-    specs = [worker_spec("a", shutdown="infinity"), ChildSpec("slow", lambda: slow, shutdown="infinity")]
+    specs = [
+        worker_spec("a", shutdown="infinity"),
+        ChildSpec("slow", lambda: slow, shutdown="infinity"),
+    ]
 
     async def open_gate_later() -> None:
         await wait_until(lambda: slow.stop_reasons != [])
         for _ in range(10):
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         gate.set()
 
     async with anyio.create_task_group() as tg:
@@ -81,7 +85,7 @@ async def test_dynamic_children_shutdown(shutdown: Any) -> None:
         refs = [await sup.start_dynamic(f"c{i}") for i in range(5)]
         monitors = {str(i): r.monitor() for i, r in enumerate(refs) if r is not None}
         if shutdown == 0.05:
-            await refs[2].tell("hang")  # type: ignore[union-attr]
+            await hang(refs[2])  # type: ignore[arg-type]
     reasons = await _reasons(monitors)
     if shutdown == "brutal_kill":
         assert all(r.kind == "killed" for r in reasons.values())
@@ -123,7 +127,11 @@ async def test_child_supervisor_subtree_stops_in_order() -> None:
     def inner() -> Supervisor:
         return Supervisor([worker_spec(t, journal) for t in ("x", "y")], name="inner")
 
-    specs = [worker_spec("a", journal), ChildSpec("inner", inner, kind="supervisor"), worker_spec("b", journal)]
+    specs = [
+        worker_spec("a", journal),
+        ChildSpec("inner", inner, kind="supervisor"),
+        worker_spec("b", journal),
+    ]
     async with open_supervisor(specs):
         assert journal.of("start") == ["a", "x", "y", "b"]
     assert journal.of("stop") == ["b", "y", "x", "a"]
@@ -133,7 +141,7 @@ async def test_open_supervisor_shutdown_timeout_bounds_a_stuck_tree() -> None:
     specs = [worker_spec("stuck", shutdown="infinity")]
     async with open_supervisor(specs, shutdown_timeout=0.05) as sup:
         stuck = await sup.child("stuck")
-        await stuck.tell("hang")
+        await hang(stuck)
         monitor = stuck.monitor()
         root = sup.ref.monitor()
     assert (await root.wait()).reason == ExitReason.killed("shutdown timeout")
@@ -179,7 +187,7 @@ class Trigger(Actor):
     async def stopping(self, reason: ExitReason) -> None:
         self.go.set()
         for _ in range(5):
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
 
 def _racers(go: anyio.Event, copies: int) -> list[ChildSpec]:
@@ -209,7 +217,7 @@ async def test_children_exiting_on_their_own_while_the_supervisor_shuts_down(whe
             go.set()
         elif when == "go-yield-stop":
             go.set()
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
     # No restart, no hang, no leak (checked after the test), and a clean exit reason.
     assert (await root.wait()).reason == ExitReason.shutdown()
     assert all(ref.statistics().incarnation == 1 for ref in refs)
@@ -218,11 +226,11 @@ async def test_children_exiting_on_their_own_while_the_supervisor_shuts_down(whe
 
 @pytest.mark.parametrize("when", ["go-then-stop", "go-yield-stop"])
 async def test_dynamic_children_exiting_while_the_supervisor_shuts_down(when: str) -> None:
-    go = anyio.Event()
     flags = SupervisorFlags(Strategy.SIMPLE_ONE_FOR_ONE, intensity=1000)
     refs: list[ActorRef[Any]] = []
     for restart in Restart:
-        spec = ChildSpec("racer", lambda how: Racer(how, go), restart=restart)
+        go = anyio.Event()
+        spec = ChildSpec("racer", lambda how, go=go: Racer(how, go), restart=restart)
         async with open_supervisor([spec], flags) as sup:
             for how in HOW * 3:
                 ref = await sup.start_dynamic(how)
@@ -230,6 +238,5 @@ async def test_dynamic_children_exiting_while_the_supervisor_shuts_down(when: st
                 refs.append(ref)
             go.set()
             if when == "go-yield-stop":
-                await anyio.sleep(0)
-        go = anyio.Event()
+                await anyio.lowlevel.checkpoint()
     assert all(ref.statistics().incarnation == 1 for ref in refs)

@@ -81,13 +81,14 @@ async def test_any_significant(restart: Restart, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", HOW)
-async def test_all_significant(how: str) -> None:
+@pytest.mark.parametrize("restart", [Restart.TRANSIENT, Restart.TEMPORARY], ids=lambda r: r.value)
+async def test_all_significant(restart: Restart, how: str) -> None:
     specs = [
-        worker_spec("sig1", restart=Restart.TEMPORARY, significant=True),
+        worker_spec("sig1", restart=restart, significant=True),
         worker_spec("other"),
-        worker_spec("sig2", restart=Restart.TEMPORARY, significant=True),
+        worker_spec("sig2", restart=restart, significant=True),
     ]
-    expected = how != "terminated"
+    expected = _shuts_down(restart, how)
     with pytest.raises(SupervisorExited) if expected else _no_error():
         async with open_supervisor(specs, _flags(AutoShutdown.ALL_SIGNIFICANT)) as sup:
             await _end(sup, "sig1", "normal")  # one of two: nothing yet
@@ -124,7 +125,10 @@ async def test_never_ignores_significant_children(how: str) -> None:
 
 
 async def test_non_significant_children_do_not_count() -> None:
-    specs = [worker_spec("sig", restart=Restart.TRANSIENT, significant=True), worker_spec("t", restart=Restart.TEMPORARY)]
+    specs = [
+        worker_spec("sig", restart=Restart.TRANSIENT, significant=True),
+        worker_spec("t", restart=Restart.TEMPORARY),
+    ]
     async with open_supervisor(specs, _flags(AutoShutdown.ANY_SIGNIFICANT)) as sup:
         await _end(sup, "t", "normal")
         await sup.count_children()
@@ -168,7 +172,7 @@ async def test_a_request_unit_tears_down_when_its_stream_ends() -> None:
     assert journal.events == [("stop", "stream"), ("stop", "helper"), ("stop", "bystander")]
 
 
-class _no_error:  # noqa: N801 - reads as a context manager name
+class _no_error:
     def __enter__(self) -> None:
         return None
 

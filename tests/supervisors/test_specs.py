@@ -133,7 +133,12 @@ def test_flags_defaults() -> None:
 
 def test_flags_from_mapping() -> None:
     flags = SupervisorFlags.from_mapping(
-        {"strategy": "rest_for_one", "intensity": 10, "period": 60, "auto_shutdown": "all_significant"}
+        {
+            "strategy": "rest_for_one",
+            "intensity": 10,
+            "period": 60,
+            "auto_shutdown": "all_significant",
+        }
     )
     assert flags == SupervisorFlags(Strategy.REST_FOR_ONE, 10, 60.0, AutoShutdown.ALL_SIGNIFICANT)
 

@@ -46,7 +46,11 @@ async def test_empty_supervisor() -> None:
 async def test_static_permanent_child_returning_ignore_is_kept() -> None:
     ignore = StartControl(ignore=1)
     journal = Journal()
-    specs = [worker_spec("a", journal), worker_spec("b", journal, ignore), worker_spec("c", journal)]
+    specs = [
+        worker_spec("a", journal),
+        worker_spec("b", journal, ignore),
+        worker_spec("c", journal),
+    ]
     async with open_supervisor(specs) as sup:
         assert await states(sup) == {"a": "running", "b": "undefined", "c": "running"}
         assert await sup.count_children() == ChildCount(specs=3, active=2, supervisors=0, workers=3)
@@ -70,7 +74,9 @@ async def test_static_temporary_child_returning_ignore_is_forgotten() -> None:
 async def test_start_child_returning_ignore() -> None:
     async with open_supervisor() as sup:
         permanent = worker_spec("p", control=StartControl(ignore_always=True))
-        temporary = worker_spec("t", control=StartControl(ignore_always=True), restart=Restart.TEMPORARY)
+        temporary = worker_spec(
+            "t", control=StartControl(ignore_always=True), restart=Restart.TEMPORARY
+        )
         assert await sup.start_child(permanent) is None
         assert await sup.start_child(temporary) is None
         assert await sup.start_child(worker_spec("ok", restart=Restart.TEMPORARY)) is not None

@@ -22,7 +22,9 @@ from tests.helpers.supervision import Journal, StartControl, Worker, crash, stat
 ESCALATED = ExitReason.shutdown("reached_max_restart_intensity")
 
 
-def _specs(journal: Journal, *tags: str, control: dict[str, StartControl] | None = None) -> list[ChildSpec]:
+def _specs(
+    journal: Journal, *tags: str, control: dict[str, StartControl] | None = None
+) -> list[ChildSpec]:
     control = control or {}
     return [worker_spec(tag, journal, control.get(tag)) for tag in tags]
 
@@ -126,7 +128,10 @@ async def test_intensity_zero_escalates_on_the_first_restart() -> None:
 
 async def test_not_restarted_exits_do_not_count() -> None:
     flags = SupervisorFlags(intensity=0)
-    specs = [worker_spec("t", restart=Restart.TRANSIENT), worker_spec("tmp", restart=Restart.TEMPORARY)]
+    specs = [
+        worker_spec("t", restart=Restart.TRANSIENT),
+        worker_spec("tmp", restart=Restart.TEMPORARY),
+    ]
     async with open_supervisor(specs, flags) as sup:
         await crash(await sup.child("tmp"), sup)
         from tests.helpers.supervision import exit_with
@@ -136,7 +141,9 @@ async def test_not_restarted_exits_do_not_count() -> None:
 
 
 def _inner(journal: Journal, intensity: int = 0) -> Supervisor:
-    return Supervisor([worker_spec("x", journal)], SupervisorFlags(intensity=intensity), name="inner")
+    return Supervisor(
+        [worker_spec("x", journal)], SupervisorFlags(intensity=intensity), name="inner"
+    )
 
 
 async def test_nested_escalation_restarts_the_child_supervisor() -> None:
@@ -166,7 +173,9 @@ async def test_nested_escalation_of_a_transient_child_supervisor() -> None:
     """OTP: a supervisor giving up exits with ``shutdown``, which a transient parent spec does
     not restart."""
     journal = Journal()
-    specs = [ChildSpec("inner", lambda: _inner(journal), kind="supervisor", restart=Restart.TRANSIENT)]
+    specs = [
+        ChildSpec("inner", lambda: _inner(journal), kind="supervisor", restart=Restart.TRANSIENT)
+    ]
     async with open_supervisor(specs, SupervisorFlags(intensity=5)) as sup:
         inner_ref = await sup.child("inner")
         monitor = inner_ref.monitor()

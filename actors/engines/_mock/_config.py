@@ -114,6 +114,9 @@ class MockEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     transfer_timeout_s: float = 300.0  # SGLang's bootstrap timeout
     # Diagnostics
     record_steps: bool = False
+    # Fault injection (scenarios): a file holding a count; while it is > 0, ``start`` decrements
+    # it and fails, so an engine crash-loops exactly that many times (across restarts).
+    fail_start_file: str | None = None
 
     def __post_init__(self) -> None:
         positive = {

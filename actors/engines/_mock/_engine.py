@@ -14,6 +14,7 @@ from types import TracebackType
 import anyio
 import anyio.abc
 import anyio.to_thread
+import msgspec
 
 from actors.engines._mock._config import FAKE_BOOTSTRAP_HOST, MockEngineConfig, offset_endpoint
 from actors.engines._mock._kvmem import (
@@ -116,6 +117,8 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         self._state = "starting"
         cfg = self.config
         try:
+            if cfg.fail_start_file is not None:
+                _injected_start_failure(cfg.fail_start_file)
             self._device = resolve_device(cfg.device)
             self._memories = [
                 KvPageMemory(rank, cfg.num_blocks, cfg.kv_bytes_per_block, self._device)
@@ -167,6 +170,17 @@ class MockEngine(TransferMixin, IntrospectionMixin):
             metrics_endpoint=self._metrics_pub.endpoint if self._metrics_pub else None,
         )
         return self._capacity
+
+    def slow_down(self, factor: float) -> None:
+        """Fault injection (a slow engine): every step from the next one on takes ``factor`` times
+        as long as configured (1 restores the configured speed)."""
+        if not factor > 0:
+            raise ValueError("factor must be > 0")
+        base = self.config.timing
+        timing = msgspec.structs.replace(base, speedup=base.speedup / factor)
+        slowed = msgspec.structs.replace(self.config, timing=timing)
+        for sched in self._ranks:
+            sched.cfg = slowed  # the scheduler reads its config's timing at every step
 
     async def _spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         async def task(*, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -408,3 +422,16 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         if self._capacity is None:
             raise RuntimeError("the engine has not started")
         return self._capacity
+
+
+def _injected_start_failure(path: str) -> None:
+    """Fail this start if the count in ``path`` is still > 0 (and count it down)."""
+    try:
+        with open(path) as f:
+            left = int(f.read().strip() or 0)
+    except FileNotFoundError:
+        return
+    if left > 0:
+        with open(path, "w") as f:
+            f.write(str(left - 1))
+        raise RuntimeError(f"injected start failure ({left - 1} more to come)")

@@ -116,6 +116,13 @@ class KvEventSubscriber:
             self._sock.close()
             self._sock = None
 
+    def drop(self) -> None:
+        """Close the socket under a task waiting in ``receive`` (it raises
+        ``ClosedResourceError``): a dropped connection, for fault injection."""
+        if self._sock is not None:
+            self._sock.abort()
+            self._sock = None
+
     async def __aenter__(self) -> KvEventSubscriber:
         self.connect()
         return self
@@ -202,6 +209,13 @@ class KvMetricsSubscriber:
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
+            self._sock = None
+
+    def drop(self) -> None:
+        """Close the socket under a task waiting in ``receive`` (it raises
+        ``ClosedResourceError``): a dropped connection, for fault injection."""
+        if self._sock is not None:
+            self._sock.abort()
             self._sock = None
 
     async def __aenter__(self) -> KvMetricsSubscriber:
