@@ -18,7 +18,7 @@ from scenarios._checks import client_counters, evaluate, recovery_time
 from scenarios._faults_model import CrashLoop
 from scenarios._inject import FaultRecord, Target, inject
 from scenarios._leaks import Snapshot, leaks_since
-from scenarios._metrics import counters, scrape
+from scenarios._metrics import COUNTERS, Sample, counters, scrape
 from scenarios._model import Scenario
 from scenarios._report import CheckResult, Report, RequestSummary
 from scenarios._workload import Clock, RequestRecord, run_workload
@@ -137,16 +137,31 @@ async def _serve_and_load(
             report.durations["faulted"] = clock.now()
             run.faults = [r for r in records if r is not None]
             run.extra = target.extra
-            # Let the tree heal (restarts after backoff, health checks) before counting.
-            with anyio.move_on_after(scenario.settle_s):
-                await serving.table.wait_routable(workers)
+            run.counters = await _settled(scenario, serving, client, start)
             if serving.table.routable() < workers:
                 run.leaks.append(
                     f"only {serving.table.routable()}/{workers} workers routable "
                     f"{scenario.settle_s:g} s after the load"
                 )
-            run.counters = counters(start, await scrape(client))
             run.leaks += await _kv_leaks(target, list(serving.roles))
+
+
+async def _settled(
+    scenario: Scenario, serving: Serving, client: httpx.AsyncClient, start: Sample
+) -> dict[str, float]:
+    """The counts once the tree has healed: every worker routable and every expected count
+    reached, or ``settle_s`` gone. What follows a fault may outlast the load (a health checker
+    fails a worker after its canaries time out, a restart waits out its backoff)."""
+    workers = len(serving.roles)
+    bounds = {k: b for k, b in scenario.expect.counters.items() if k in COUNTERS}
+    with anyio.move_on_after(scenario.settle_s):
+        while True:
+            counts = counters(start, await scrape(client))
+            healed = serving.table.routable() >= workers
+            if healed and all(b.holds(counts[k]) for k, b in bounds.items()):
+                return counts
+            await anyio.sleep(0.1)
+    return counters(start, await scrape(client))
 
 
 def _fail_file(config: ServeConfig) -> Path | None:

@@ -40,10 +40,10 @@ class Backend(Protocol):
     cancelled": abort the engine request, free its KV, never migrate. ``aclose()`` runs shielded
     from cancellation for a few seconds, so cleanup that must await (sending the abort) can.
 
-    Task contract: a stream's first output is awaited in the HTTP request's task (its status code
-    depends on it), later ones in the SSE response's task. So the iterator must not keep
-    task-bound state open across a ``yield`` (a cancel scope, a task group, a held lock), which
-    anyio and trio forbid in async generators anyway.
+    Task contract: ``generate`` is called, and its iterator advanced and closed, from one task
+    (the request's for a non-streaming request, the SSE response's for a stream). Still, keep no
+    task-bound state open across a ``yield`` (a cancel scope, a task group): anyio and trio forbid
+    it in async generators.
     """
 
     def models(self) -> list[ModelInfo]:

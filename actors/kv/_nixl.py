@@ -74,6 +74,9 @@ def load_nixl() -> Any:
     """
     global _api
     if _api is None:
+        # UCX's TCP transport would listen on every interface: keep it on loopback unless the
+        # operator chose devices (multi-host deployments set UCX_NET_DEVICES themselves).
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
         errors: list[str] = []
         for name in _CANDIDATES:
             try:
