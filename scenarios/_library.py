@@ -36,20 +36,31 @@ _GAP_S = 5.0  # longest silence a client may see while its stream moves to anoth
 _RECOVERY_S = 30.0
 
 
-def _migrating(name: str, description: str, fault: Fault, **counters: Bound | int) -> Scenario:
+def _migrating(
+    name: str,
+    description: str,
+    fault: Fault,
+    *,
+    migrate: bool = True,
+    stall_timeout: float = 2.0,
+    **counters: Bound | int,
+) -> Scenario:
     """Two aggregated workers, long streams, one fault on the busiest: every stream completes
-    with exactly the fault-free tokens."""
+    with exactly the fault-free tokens (``migrate``: some of them on the other worker)."""
+    if migrate:
+        counters = {"migrations_ongoing": Bound(min=1), **counters}
     return Scenario(
         name=name,
         description=description,
-        topology=topology(decode_workers=2, router="round_robin", engine_args=_SLOWER),
+        topology=topology(
+            decode_workers=2,
+            router="round_robin",
+            engine_args=_SLOWER,
+            stall_timeout=stall_timeout,
+        ),
         workload=_STREAMING,
         faults=(fault,),
-        expect=Expect(
-            max_token_gap_s=_GAP_S,
-            max_recovery_s=_RECOVERY_S,
-            counters={"migrations_ongoing": Bound(min=1), **counters},
-        ),
+        expect=Expect(max_token_gap_s=_GAP_S, max_recovery_s=_RECOVERY_S, counters=counters),
     )
 
 
@@ -66,9 +77,11 @@ def _kill() -> Scenario:
 def _sigterm() -> Scenario:
     return _migrating(
         "decode-sigterm-mid-stream",
-        "SIGTERM the busiest engine mid-stream: it stops gracefully, ending its streams with a "
-        "migratable shutdown error (never a 'cancelled' finish), and they migrate.",
+        "SIGTERM the busiest engine mid-stream: it stops gracefully (its streams finish, or "
+        "end with a migratable error, never a 'cancelled' finish) and restarts; every client "
+        "gets the fault-free tokens.",
         KillEngine(at=0.05, when_busy=2, signal="SIGTERM"),
+        migrate=False,
         engine_restarts=Bound(min=1),
     )
 
@@ -97,8 +110,10 @@ def _publisher() -> Scenario:
     return _migrating(
         "publisher-socket-dropped",
         "The busiest worker's publisher loses its ZMQ subscriptions: it crashes, its "
-        "one_for_all worker restarts engine, publisher and checker, streams migrate.",
+        "one_for_all worker restarts engine, publisher and checker (the engine stops "
+        "gracefully), then subscribes afresh; clients see nothing.",
         DropPublisher(at=0.05, when_busy=2),
+        migrate=False,
         engine_restarts=Bound(min=1),
     )
 
@@ -109,6 +124,7 @@ def _hang() -> Scenario:
         "Generation stops on the busiest engine while its process stays alive: streams stall "
         "and migrate, canaries on the now idle worker fail and the health checker restarts it.",
         HangEngine(at=0.05, when_busy=2),
+        stall_timeout=1.0,
         engine_restarts=Bound(min=1),
         canary_failures=Bound(min=2),
     )

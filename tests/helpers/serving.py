@@ -10,10 +10,12 @@ import anyio
 import attrs
 
 from actors import ActorRef, current_registry
-from actors.serving import ServeConfig, Serving, build_tree
+from actors.serving import ServeConfig, Serving
 from actors.worker import engine_name
 from protocols import control
 from supervisors import SupervisorFlags, SupervisorRef, open_supervisor
+from supervisors._lifecycle import Budgets
+from supervisors._root import RootOptions, serving_children
 
 FAST_ENGINE: dict[str, Any] = {
     "timing": {"speedup": 20.0},
@@ -39,6 +41,12 @@ class Tree:
         assert ref is not None
         return ref
 
+    @property
+    def lifecycle(self) -> ActorRef[Any]:
+        ref = current_registry().whereis("lifecycle")
+        assert ref is not None
+        return ref
+
     async def engine_stats(self, worker_id: str) -> control.EngineStats:
         stats: control.EngineStats = await self.engine(worker_id).ask(control.GetStats())
         return stats
@@ -50,13 +58,14 @@ class Tree:
 
 
 @asynccontextmanager
-async def serving_tree(**overrides: Any) -> AsyncIterator[Tree]:
+async def serving_tree(budgets: Budgets | None = None, **overrides: Any) -> AsyncIterator[Tree]:
+    """The root's children (model subtree, frontend, lifecycle) in this event loop."""
     engine_args = {**FAST_ENGINE, **overrides.pop("engine_args", {})}
     config = ServeConfig(port=0, engine_args=engine_args, **overrides)
     serving = Serving(config)
-    async with open_supervisor(
-        build_tree(serving), SupervisorFlags(intensity=10, period=60)
-    ) as root:
+    options = RootOptions(budgets=budgets or Budgets(grace=0.0, release_grace=0.0, drain=10.0))
+    children = serving_children(serving, options, lambda: None)
+    async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)) as root:
         tree = Tree(root, serving)
         await tree.wait_ready()
         yield tree
