@@ -10,6 +10,7 @@ from protocols.engine import MemoryTag, PauseMode
 
 __all__ = [
     "Abort",
+    "ConnectPeer",
     "ContinueGeneration",
     "Drain",
     "EngineStats",
@@ -99,6 +100,13 @@ class Undrain:
 
 
 @attrs.frozen
+class ConnectPeer:
+    """Decode: meet the prefill worker whose KV bootstrap endpoint this is (pre-warm)."""
+
+    endpoint: str
+
+
+@attrs.frozen
 class InjectFault:
     """Fault injection for tests and scenarios: the next ``count`` calls of ``operation``
     (``release_memory``, ``resume_memory``, ``pause``, ``generate``, ``health``: the health
@@ -150,6 +158,7 @@ for _cls in (
     EngineStats,
     Drain,
     Undrain,
+    ConnectPeer,
     InjectFault,
     Perturb,
 ):

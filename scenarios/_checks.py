@@ -74,6 +74,7 @@ def evaluate(
     counters: dict[str, float],
     recovery_s: float | None,
     leaks: Sequence[str],
+    root_exit_code: int | None = None,
 ) -> list[CheckResult]:
     """Every check the expectations ask for, in a stable order."""
     checks: list[CheckResult] = []
@@ -168,6 +169,15 @@ def evaluate(
                 "every 503",
                 f"{sum(r.rejections for r in refused) - missing}/"
                 f"{sum(r.rejections for r in refused)}",
+            )
+        )
+    if expect.root_exit_code is not None:
+        checks.append(
+            CheckResult(
+                "root exit code",
+                root_exit_code == expect.root_exit_code,
+                str(expect.root_exit_code),
+                "still running" if root_exit_code is None else str(root_exit_code),
             )
         )
     if expect.no_leaks:

@@ -33,6 +33,7 @@ from scenarios._faults_model import (
 )
 from scenarios._metrics import COUNTERS, scrape
 from scenarios._model import Workload
+from scenarios._subprocess import RootProcess
 from scenarios._workload import Clock, RequestRecord, request_body, send
 from supervisors import SupervisorRef
 
@@ -61,12 +62,13 @@ class FaultRecord:
 class Target:
     """The running tree, as faults see it."""
 
-    root: SupervisorRef
+    root: SupervisorRef | None  # None when the root runs in its own process
     serving: Serving
     client: httpx.AsyncClient
     clock: Clock
     workload: Workload
     fail_start_file: Path | None = None
+    root_process: RootProcess | None = None
     extra: list[RequestRecord] = attrs.field(factory=list)  # requests faults sent
 
     @property
@@ -88,6 +90,8 @@ class Target:
         return cast(control.EngineStats, stats)
 
     async def worker_supervisor(self, worker: str) -> SupervisorRef:
+        if self.root is None:
+            raise LookupError("the root runs in another process")
         pool = "prefill-pool" if worker.startswith("prefill") else "decode-pool"
         model = SupervisorRef(await self.root.child(f"model:{self.model}"))
         pool_ref = SupervisorRef(await model.child(pool))

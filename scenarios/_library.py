@@ -25,6 +25,7 @@ from scenarios._faults_model import (
     SlowEngine,
     StallEngine,
 )
+from scenarios._lifecycle import DrainAndUndrain, ReleaseAndResume, RollingRelease, SignalRoot
 from scenarios._model import Bound, Expect, Scenario, Workload, topology
 
 __all__ = ["LIBRARY", "get_scenario", "library"]
@@ -272,6 +273,76 @@ def _single_worker() -> Scenario:
     )
 
 
+def _root_sigterm() -> Scenario:
+    return Scenario(
+        name="root-sigterm-under-load",
+        description="SIGTERM to the root process (actorserve run) under load: it stops "
+        "admitting (503), drains what is in flight with the fault-free tokens, cleans its "
+        "engines up and exits 0; later clients find the port closed. No stream is cut.",
+        topology=topology(decode_workers=2, engine_args=_SLOWER),
+        workload=Workload(clients=4, requests_per_client=4, max_tokens=160, retries=1),
+        faults=(SignalRoot(at=0.05, when_inflight=4),),
+        expect=Expect(
+            success_rate=0.25,  # the 4 requests in flight at the signal, at least
+            allowed_errors=("transport: ConnectError", "backend.worker_draining"),
+            root_exit_code=0,
+        ),
+        process="subprocess",
+    )
+
+
+def _release_resume() -> Scenario:
+    return Scenario(
+        name="release-resume-under-load",
+        description="Release the busiest worker's KV cache and weights under load (unregister, "
+        "hand its requests over, pause, release), resume half a second later: nothing fails, "
+        "nothing restarts, the worker serves again.",
+        topology=topology(decode_workers=2, router="round_robin", engine_args=_SLOWER),
+        workload=_STREAMING,
+        faults=(ReleaseAndResume(at=0.05, when_busy=2, resume_after_s=0.5),),
+        expect=Expect(
+            max_token_gap_s=_GAP_S,
+            counters={
+                "releases": 1,
+                "resumes": 1,
+                "migrations": Bound(min=1),
+                "lifecycle_failures": 0,
+                "engine_restarts": 0,
+            },
+        ),
+    )
+
+
+def _rolling_release() -> Scenario:
+    return Scenario(
+        name="rolling-release-under-load",
+        description="Release and resume every decode worker one at a time under load: one "
+        "always serves, so no request fails and none waits on an empty pool.",
+        topology=topology(decode_workers=2, router="round_robin", engine_args=_SLOWER),
+        workload=Workload(clients=4, requests_per_client=6, max_tokens=120),
+        faults=(RollingRelease(at=0.05),),
+        expect=Expect(
+            max_token_gap_s=_GAP_S,
+            counters={"releases": 2, "resumes": 2, "lifecycle_failures": 0, "engine_restarts": 0},
+        ),
+    )
+
+
+def _drain() -> Scenario:
+    return Scenario(
+        name="drain-worker-under-load",
+        description="Drain the busiest worker under load (its requests are handed over with a "
+        "migratable error, never a 'cancelled' finish), undrain it half a second later.",
+        topology=topology(decode_workers=2, router="round_robin", engine_args=_SLOWER),
+        workload=_STREAMING,
+        faults=(DrainAndUndrain(at=0.05, when_busy=2, undrain_after_s=0.5),),
+        expect=Expect(
+            max_token_gap_s=_GAP_S,
+            counters={"drains": Bound(min=1), "migrations": Bound(min=1), "engine_restarts": 0},
+        ),
+    )
+
+
 _BUILDERS: list[Callable[[], Scenario]] = [
     _kill,
     _sigterm,
@@ -290,6 +361,10 @@ _BUILDERS: list[Callable[[], Scenario]] = [
     _fail_generate,
     _no_migration,
     _single_worker,
+    _root_sigterm,
+    _release_resume,
+    _rolling_release,
+    _drain,
 ]
 
 LIBRARY: dict[str, Scenario] = {s.name: s for s in (build() for build in _BUILDERS)}

@@ -33,6 +33,7 @@ from typing import Any
 
 import attrs
 
+import scenarios._lifecycle  # noqa: F401  (registers the lifecycle fault kinds)
 from actors.serving import load_config
 from scenarios._faults_model import fault_from_dict
 from scenarios._model import _FAST_SERVE, FAST_ENGINE, Expect, Scenario, Workload
@@ -76,7 +77,7 @@ def scenario_from_dict(data: dict[str, Any]) -> Scenario:
     workload = Workload(**_fields(Workload, data.pop("workload", {}) or {}, "workload"))
     expect = Expect(**_fields(Expect, data.pop("expect", {}) or {}, "expect"))
     faults = tuple(fault_from_dict(f) for f in data.pop("faults", []) or [])
-    known = {"name", "description", "baseline", "settle_s"}
+    known = {"name", "description", "baseline", "settle_s", "process"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown scenario field(s) {', '.join(unknown)}")

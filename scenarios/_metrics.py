@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["COUNTERS", "Sample", "counters", "scrape"]
+__all__ = ["COUNTERS", "Sample", "counters", "gauge", "scrape"]
 
 Labels = frozenset[tuple[str, str]]
 Sample = dict[tuple[str, Labels], float]
@@ -27,6 +27,18 @@ async def scrape(client: httpx.AsyncClient) -> Sample:
             if sample.name.endswith("_total"):
                 out[(sample.name, frozenset(sample.labels.items()))] = float(sample.value)
     return out
+
+
+async def gauge(client: httpx.AsyncClient, name: str) -> float:
+    """The sum of a gauge's samples (every label set) on ``/metrics``."""
+    response = await client.get("/metrics", timeout=10)
+    response.raise_for_status()
+    return sum(
+        float(sample.value)
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == name
+    )
 
 
 def _sum(
@@ -45,6 +57,10 @@ def _events(
         "actorserve_supervisor_events_total",
         lambda labels: labels.get("event") == event and keep(labels),
     )
+
+
+def _stage(stage: str, outcome: str) -> Callable[[dict[str, str]], bool]:
+    return lambda labels: labels.get("stage") == stage and labels.get("outcome") == outcome
 
 
 # Server-side counters a scenario can bound (``Expect.counters``); the report adds client-side
@@ -67,6 +83,13 @@ COUNTERS: Mapping[str, Callable[[Sample], float]] = {
     "escalations": _events("escalated"),
     "backoffs": _events("backoff"),
     "start_failures": _events("start_failed"),
+    # Lifecycle stages (supervisors._lifecycle) that completed, or failed.
+    "releases": _sum("actorserve_lifecycle_stages_total", _stage("release_memory", "completed")),
+    "resumes": _sum("actorserve_lifecycle_stages_total", _stage("resume_memory", "completed")),
+    "drains": _sum("actorserve_lifecycle_stages_total", _stage("stop_admission", "completed")),
+    "lifecycle_failures": _sum(
+        "actorserve_lifecycle_stages_total", lambda labels: labels.get("outcome") == "failed"
+    ),
     "canary_failures": _sum(
         "actorserve_worker_canaries_total", lambda labels: labels.get("outcome") != "ok"
     ),

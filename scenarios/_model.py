@@ -7,7 +7,7 @@ load it from TOML/YAML (``scenarios.load_scenario``), print it, put it in a repo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -148,6 +148,7 @@ class Expect:
     allowed_errors: tuple[str, ...] = attrs.field(default=(), converter=_strings)
     faults_injected: bool = True  # every fault actually happened
     no_leaks: bool = True  # tasks, processes, sockets, KV blocks
+    root_exit_code: int | None = None  # a root in its own process must have exited with it
 
 
 @attrs.frozen(kw_only=True)
@@ -162,3 +163,16 @@ class Scenario:
     expect: Expect = attrs.field(factory=Expect)
     baseline: bool = True  # run the workload fault-free first (token comparison)
     settle_s: float = 15.0  # after the load: how long workers get to be routable again
+    # Where the root runs: in this process (faults reach every actor), or as ``actorserve run``
+    # in a child process (for faults aimed at the root process itself: only root signals,
+    # bursts and client cancellations reach it there).
+    process: Literal["in_process", "subprocess"] = "in_process"
+
+    def __attrs_post_init__(self) -> None:
+        if self.process == "subprocess":
+            reach = ("signal_root", "burst", "cancel")
+            beyond = [f.kind for f in self.faults if f.kind not in reach]
+            if beyond:
+                raise ValueError(
+                    f"faults {beyond} need the root in this process (process='in_process')"
+                )

@@ -88,6 +88,7 @@ class Report:
     durations: dict[str, float] = attrs.field(factory=dict)
     requests: list[RequestRecord] = attrs.field(factory=list)  # the faulted run's
     leaks: list[str] = attrs.field(factory=list)
+    root_exit_code: int | None = None  # of a root run in its own process, once it exited
     error: str | None = None  # the run itself broke (the tree did not start, ...)
 
     def failed_checks(self) -> list[CheckResult]:

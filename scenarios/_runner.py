@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -13,7 +14,8 @@ import attrs
 import httpx
 import sniffio
 
-from actors.serving import ServeConfig, Serving, build_tree
+import scenarios._lifecycle  # noqa: F401  (the lifecycle faults' injectors)
+from actors.serving import ServeConfig, Serving
 from scenarios._checks import client_counters, evaluate, recovery_time
 from scenarios._faults_model import CrashLoop
 from scenarios._inject import FaultRecord, Target, inject
@@ -21,8 +23,11 @@ from scenarios._leaks import Snapshot, leaks_since
 from scenarios._metrics import COUNTERS, Sample, counters, scrape
 from scenarios._model import Scenario
 from scenarios._report import CheckResult, Report, RequestSummary
+from scenarios._subprocess import open_root_process
 from scenarios._workload import Clock, RequestRecord, run_workload
 from supervisors import SupervisorFlags, open_supervisor
+from supervisors._lifecycle import Budgets
+from supervisors._root import RootOptions, serving_children
 
 __all__ = ["run", "run_scenario"]
 
@@ -42,6 +47,7 @@ class _Run:
     leaks: list[str] = attrs.field(factory=list)
     faulted_s: float = 0.0
     baseline_s: float = 0.0
+    root_exit_code: int | None = None  # of a root in its own process
 
 
 async def run_scenario(scenario: Scenario, *, plot: str | Path | None = None) -> Report:
@@ -61,7 +67,8 @@ async def run_scenario(scenario: Scenario, *, plot: str | Path | None = None) ->
     run = _Run()
     with tempfile.TemporaryDirectory(prefix="actorserve-scenario-") as tmp:
         try:
-            await _serve_and_load(scenario, _prepared(scenario, Path(tmp)), run, report)
+            config = _prepared(scenario, Path(tmp))
+            await _serve_and_load(scenario, config, run, report, Path(tmp))
         except Exception as exc:
             report.error = f"{type(exc).__name__}: {exc}"
         stopped = time.monotonic()
@@ -93,72 +100,114 @@ def _prepared(scenario: Scenario, tmp: Path) -> ServeConfig:
     return config
 
 
+_BUDGETS = Budgets(grace=0.2, release_grace=0.0, drain=10.0, transfers=10.0, cleanup=10.0)
+
+
 async def _serve_and_load(
-    scenario: Scenario, config: ServeConfig, run: _Run, report: Report
+    scenario: Scenario, config: ServeConfig, run: _Run, report: Report, tmp: Path
 ) -> None:
     serving = Serving(config)
     workers = len(serving.roles)
     t = time.monotonic()
+    if scenario.process == "subprocess":
+        backend = sniffio.current_async_library()
+        async with open_root_process(config, tmp, backend, _START_TIMEOUT_S) as root:
+            report.durations["startup"] = time.monotonic() - t
+
+            def in_subprocess(client: httpx.AsyncClient) -> Target:
+                return Target(
+                    root=None,
+                    serving=serving,
+                    client=client,
+                    clock=Clock(),
+                    workload=scenario.workload,
+                    root_process=root,
+                )
+
+            await _load(scenario, in_subprocess, run, report, root.url, lambda: True)
+        run.leaks += root.survivors()
+        run.root_exit_code = root.exit_code
+        return
+    # In this process: the root's children (lifecycle included), as ``actorserve run`` has them.
+    children = serving_children(serving, RootOptions(budgets=_BUDGETS), lambda: None)
     async with open_supervisor(
-        build_tree(serving), SupervisorFlags(intensity=10, period=60), name="root"
-    ) as root:
+        children, SupervisorFlags(intensity=10, period=60), name="root"
+    ) as root_ref:
         with anyio.fail_after(_START_TIMEOUT_S):
             await serving.table.wait_routable(workers)
         report.durations["startup"] = time.monotonic() - t
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        async with httpx.AsyncClient(
-            base_url=f"http://{config.host}:{serving.port}", limits=limits
-        ) as client:
-            if scenario.baseline:
-                clock = Clock()
-                run.baseline = await run_workload(client, scenario.workload, config.model, clock)
-                run.baseline_s = clock.now()
-                report.durations["baseline"] = run.baseline_s
-            start = await scrape(client)
-            clock = Clock()
-            target = Target(
-                root=root,
+
+        def in_process(client: httpx.AsyncClient) -> Target:
+            return Target(
+                root=root_ref,
                 serving=serving,
                 client=client,
-                clock=clock,
+                clock=Clock(),
                 workload=scenario.workload,
                 fail_start_file=_fail_file(config),
             )
-            records: list[FaultRecord | None] = [None] * len(scenario.faults)
 
-            async def fault(i: int) -> None:
-                records[i] = await inject(scenario.faults[i], target)
+        url = f"http://{config.host}:{serving.port}"
+        target = await _load(
+            scenario, in_process, run, report, url, lambda: serving.table.routable() >= workers
+        )
+        if serving.table.routable() < workers:
+            run.leaks.append(
+                f"only {serving.table.routable()}/{workers} workers routable "
+                f"{scenario.settle_s:g} s after the load"
+            )
+        run.leaks += await _kv_leaks(target, list(serving.roles))
 
-            async with anyio.create_task_group() as tg:
-                for i in range(len(scenario.faults)):
-                    tg.start_soon(fault, i)
-                run.workload = await run_workload(client, scenario.workload, config.model, clock)
-                run.faulted_s = clock.now()
-            report.durations["faulted"] = clock.now()
-            run.faults = [r for r in records if r is not None]
-            run.extra = target.extra
-            run.counters = await _settled(scenario, serving, client, start)
-            if serving.table.routable() < workers:
-                run.leaks.append(
-                    f"only {serving.table.routable()}/{workers} workers routable "
-                    f"{scenario.settle_s:g} s after the load"
-                )
-            run.leaks += await _kv_leaks(target, list(serving.roles))
+
+async def _load(
+    scenario: Scenario,
+    make_target: Callable[[httpx.AsyncClient], Target],
+    run: _Run,
+    report: Report,
+    url: str,
+    healed: Callable[[], bool],
+) -> Target:
+    """Baseline, then the workload with the faults, then the counts once the tree healed."""
+    model = scenario.topology.model
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+        if scenario.baseline:
+            clock = Clock()
+            run.baseline = await run_workload(client, scenario.workload, model, clock)
+            run.baseline_s = report.durations["baseline"] = clock.now()
+        start = await scrape(client)
+        target = make_target(client)
+        records: list[FaultRecord | None] = [None] * len(scenario.faults)
+
+        async def fault(i: int) -> None:
+            records[i] = await inject(scenario.faults[i], target)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(scenario.faults)):
+                tg.start_soon(fault, i)
+            run.workload = await run_workload(client, scenario.workload, model, target.clock)
+            run.faulted_s = target.clock.now()
+        report.durations["faulted"] = target.clock.now()
+        run.faults = [r for r in records if r is not None]
+        run.extra = target.extra
+        root = target.root_process
+        if root is None or root.process.returncode is None:
+            run.counters = await _settled(scenario, client, start, healed)
+        # else: the root is gone, nothing left to count
+    return target
 
 
 async def _settled(
-    scenario: Scenario, serving: Serving, client: httpx.AsyncClient, start: Sample
+    scenario: Scenario, client: httpx.AsyncClient, start: Sample, healed: Callable[[], bool]
 ) -> dict[str, float]:
     """The counts once the tree has healed: every worker routable and every expected count
     reached, or ``settle_s`` gone. What follows a fault may outlast the load (a health checker
     fails a worker after its canaries time out, a restart waits out its backoff)."""
-    workers = len(serving.roles)
     bounds = {k: b for k, b in scenario.expect.counters.items() if k in COUNTERS}
     with anyio.move_on_after(scenario.settle_s):
         while True:
             counts = counters(start, await scrape(client))
-            healed = serving.table.routable() >= workers
-            if healed and all(b.holds(counts[k]) for k, b in bounds.items()):
+            if healed() and all(b.holds(counts[k]) for k, b in bounds.items()):
                 return counts
             await anyio.sleep(0.1)
     return counters(start, await scrape(client))
@@ -200,8 +249,10 @@ def _judge(scenario: Scenario, run: _Run, report: Report) -> None:
     report.counters = {**run.counters, **client_counters(run.workload, run.extra)}
     report.recovery_s = recovery_time(run.workload, run.faults)
     report.leaks = run.leaks
+    report.root_exit_code = run.root_exit_code
     report.checks = evaluate(
         scenario.expect,
+        root_exit_code=run.root_exit_code,
         faults=run.faults,
         baseline=run.baseline,
         workload=run.workload,

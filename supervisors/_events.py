@@ -37,7 +37,10 @@ _DEBUG = frozenset({"started", "terminated"})
 def emit(supervisor: str, child: str, event: str, **fields: Any) -> None:
     _EVENTS.labels(supervisor, child, event).inc()
     log = _log.debug if event in _DEBUG else _log.info
-    if event in ("escalated", "start_failed") or (event == "exited" and fields.get("abnormal")):
+    if event == "exited":
+        # A normal exit (a finished request stream) is routine; a crash is not.
+        log = _log.warning if fields.get("abnormal") else _log.debug
+    elif event in ("escalated", "start_failed"):
         log = _log.warning
     log(event, supervisor=supervisor, child=child, **fields)
 

@@ -10,6 +10,7 @@ timeout and the whole request within its deadline, so no request hangs after a w
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -27,6 +28,7 @@ from actors.telemetry import REGISTRY
 from protocols.engine import EngineOutput, PreprocessedRequest, StopConditions, Usage
 from protocols.errors import (
     EngineFailure,
+    KVTransferError,
     MigrationExhausted,
     RequestError,
     RequestTimeout,
@@ -58,6 +60,7 @@ CANCELLATIONS = Counter(
 @attrs.frozen
 class StreamOptions:
     model: str = "model"
+    disaggregated: bool = False
     migration_limit: int = 3
     stall_timeout: float = 30.0  # longest gap between two outputs
     request_timeout: float = 600.0  # the whole request
@@ -101,7 +104,10 @@ class RequestStream(Actor):
         while True:
             routed: Routed | None = None
             try:
-                routed = await self.router.ask(Route(request, tuple(excluded)))
+                if opts.disaggregated:
+                    routed, request = await self._dispatch_prefill(request)
+                else:
+                    routed = await self.router.ask(Route(request, tuple(excluded)))
                 async with aclosing(self._attempt(routed, request, deadline)) as outputs:
                     async for output in outputs:
                         if failed_at is not None:
@@ -133,7 +139,8 @@ class RequestStream(Actor):
                 migration_type = "ongoing_request" if generated else "new_request"
                 MIGRATIONS.labels(opts.model, migration_type).inc()
                 failed_at = time.monotonic()
-                if routed is not None:
+                if routed is not None and not isinstance(error, KVTransferError):
+                    # A transfer failure may be the prefill side's fault: keep the decode worker.
                     excluded.append(routed.worker_id)
                 _log.info(
                     "migrating request",
@@ -143,6 +150,42 @@ class RequestStream(Actor):
                     generated=len(generated),
                 )
                 request = _continuation(original, generated)
+
+    async def _dispatch_prefill(
+        self, request: PreprocessedRequest
+    ) -> tuple[Routed, PreprocessedRequest]:
+        """Disaggregated: pick a prefill and a decode worker, start the prefill with a fresh room
+        and return the decode side's routing and request (decode starts concurrently, as in
+        SGLang's bootstrap protocol)."""
+        prefill = await self.router.ask(Route(request, role="prefill"))
+        try:
+            decode = await self.router.ask(Route(request, role="decode"))
+        except BaseException:
+            self._done(prefill)
+            raise
+        if prefill.bootstrap is None:
+            self._done(prefill)
+            self._done(decode)
+            raise EngineFailure(f"prefill worker {prefill.worker_id} has no bootstrap endpoint")
+        boot = msgspec.structs.replace(prefill.bootstrap, room=secrets.randbits(63))
+        stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
+        prefill_request = msgspec.structs.replace(
+            request, bootstrap_info=boot, stop_conditions=stop
+        )
+        self.start_soon(self._prefill, prefill, prefill_request, name=f"prefill {request.rid}")
+        return decode, msgspec.structs.replace(request, bootstrap_info=boot)
+
+    async def _prefill(self, routed: Routed, request: PreprocessedRequest) -> None:
+        """Drain the prefill stream: it ends when the KV transfer reached a terminal state. A
+        failure here surfaces on the decode side as a (migratable) KV transfer error."""
+        try:
+            async with routed.engine.stream(request, buffer=4) as outputs:
+                async for _ in outputs:
+                    pass
+        except (RequestError, ActorError) as exc:
+            _log.info("prefill failed", rid=request.rid, worker=routed.worker_id, error=str(exc))
+        finally:
+            self._done(routed)
 
     async def _attempt(
         self, routed: Routed, request: PreprocessedRequest, deadline: float

@@ -8,7 +8,7 @@ import attrs
 
 from actors import Actor, ActorRef, Call
 from actors.serving._routing import Policy, Role, RoutingTable
-from protocols.engine import PreprocessedRequest
+from protocols.engine import BootstrapInfo, PreprocessedRequest
 from protocols.errors import RequestError
 
 __all__ = ["Done", "Route", "Routed", "Router"]
@@ -23,6 +23,7 @@ class Done(Call[None]):
 class Routed:
     worker_id: str
     engine: ActorRef[Any]
+    bootstrap: BootstrapInfo | None = None  # a prefill worker's KV bootstrap endpoint
 
     def done(self) -> Done:
         return Done(self.worker_id)
@@ -53,7 +54,7 @@ class Router(Actor):
                 entry = self.table.pick(role, self.policy, request.token_ids, exclude)
                 entry.active += 1
                 self.routed += 1
-                return Routed(entry.id, entry.engine)
+                return Routed(entry.id, entry.engine, entry.capacity.bootstrap)
             case Done(worker_id=worker_id):
                 worker = self.table.workers.get(worker_id)
                 if worker is not None and worker.active > 0:

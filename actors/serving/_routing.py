@@ -15,8 +15,9 @@ from typing import Any, Literal
 import anyio
 import attrs
 
-from actors import ActorRef
+from actors import ActorError, ActorRef
 from actors.engines import AllBlocksCleared, BlockRemoved, BlockStored, prompt_page_hashes
+from protocols import control
 from protocols.engine import Capacity, MemoryTag
 from protocols.errors import NoWorkerAvailable
 
@@ -81,7 +82,27 @@ class RoutingTable:
     def register(self, worker_id: str, engine: ActorRef[Any], capacity: Capacity) -> None:
         role = self._roles.get(worker_id, "aggregated")
         self.workers[worker_id] = WorkerEntry(worker_id, role, engine, capacity)
+        self._introduce(worker_id)
         self._notify()
+
+    def _introduce(self, worker_id: str) -> None:
+        """Pre-warm KV transfer: decode workers meet every prefill worker when either registers,
+        so no NIXL metadata exchange ever happens on a request's path."""
+        from actors.kv import bootstrap_endpoint
+
+        new = self.workers[worker_id]
+        prefills = [
+            w for w in self.workers.values() if w.role == "prefill" and w.capacity.bootstrap
+        ]
+        decodes = [w for w in self.workers.values() if w.role == "decode"]
+        pairs = [(d, p) for d in decodes for p in prefills if new in (d, p)]
+        for decode, prefill in pairs:
+            assert prefill.capacity.bootstrap is not None
+            endpoint = bootstrap_endpoint(prefill.capacity.bootstrap)
+            try:
+                decode.engine.tell_nowait(control.ConnectPeer(endpoint))
+            except ActorError:
+                pass  # that worker is going away: it will meet the peer when it registers again
 
     def set_healthy(self, worker_id: str, healthy: bool) -> None:
         entry = self.workers.get(worker_id)

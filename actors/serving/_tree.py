@@ -132,6 +132,7 @@ def build_tree(serving: Serving) -> list[ChildSpec]:
         pools.insert(0, _pool(serving, "prefill"))
     options = StreamOptions(
         model=cfg.model,
+        disaggregated=cfg.mode == "disaggregated",
         migration_limit=cfg.migration_limit,
         stall_timeout=cfg.stall_timeout,
         request_timeout=cfg.request_timeout,

@@ -14,8 +14,9 @@ from typing import Any
 import msgspec
 
 from actors import Actor, ExitReason, ReplyError
+from actors.worker._kvbridge import KVBridge, needs_transfer
 from protocols import control as c
-from protocols.engine import Engine, EngineOutput, PauseMode, PreprocessedRequest
+from protocols.engine import Engine, EngineOutput, MemoryTag, PauseMode, PreprocessedRequest
 from protocols.errors import EngineFailure, EngineShutdown, RequestError, WorkerDraining
 
 __all__ = ["EngineHost", "InjectedCrash", "build_engine"]
@@ -50,9 +51,11 @@ class EngineHost(Actor):
 
     reply_errors = (RequestError,)
 
-    def __init__(self, backend: str, config: bytes) -> None:
+    def __init__(self, backend: str, config: bytes, worker_id: str = "") -> None:
         self.backend = backend
         self.config = config
+        self.worker_id = worker_id or f"worker-{os.getpid()}"
+        self.bridge: KVBridge | None = None
         self.engine: Engine | None = None
         self.running = 0
         self.finished = 0
@@ -67,20 +70,43 @@ class EngineHost(Actor):
         self.engine = build_engine(self.backend, self.config, self.task_group)
         try:
             self._capacity = await self.engine.start()
+            await self._open_bridge()
         except BaseException:
+            await self._close_bridge()
             await self.engine.cleanup()
             raise
 
     async def stopping(self, reason: ExitReason) -> None:
+        await self._close_bridge()
         if self.engine is not None:
             await self.engine.cleanup()
+
+    async def _open_bridge(self) -> None:
+        role = getattr(getattr(self.engine, "config", None), "role", "aggregated")
+        if self.backend == "sglang" or role not in ("prefill", "decode") or self.bridge is not None:
+            return
+        bridge = KVBridge(self.engine, role, self.worker_id)
+        await bridge.__aenter__()
+        self.bridge = bridge
+
+    async def _close_bridge(self) -> None:
+        bridge, self.bridge = self.bridge, None
+        if bridge is not None:
+            await bridge.__aexit__(None, None, None)
 
     async def receive(self, message: Any) -> Any:
         engine = self.engine
         assert engine is not None
         match message:
             case c.GetCapacity():
-                return self._capacity
+                return (
+                    self.bridge.capacity(self._capacity)
+                    if self.bridge is not None
+                    else self._capacity
+                )
+            case c.ConnectPeer(endpoint=endpoint):
+                if self.bridge is not None:
+                    await self.bridge.connect(endpoint)
             case c.Abort(rid=rid):
                 await engine.abort(rid)
             case c.Pause(mode=mode):
@@ -90,10 +116,14 @@ class EngineHost(Actor):
                 await engine.continue_generation()
             case c.ReleaseMemory(tags=tags):
                 self._fault("release_memory")
+                if MemoryTag.KV_CACHE in tags:
+                    await self._close_bridge()  # the registered KV buffer is about to go
                 await engine.release_memory(tags)
             case c.ResumeMemory(tags=tags):
                 self._fault("resume_memory")
                 await engine.resume_memory(tags)
+                if MemoryTag.KV_CACHE in tags:
+                    await self._open_bridge()  # a new buffer: register it again
             case c.Drain(handover=handover, shutdown=shutdown):
                 await self._drain(handover, shutdown)
             case c.Undrain():
@@ -169,6 +199,15 @@ class EngineHost(Actor):
             self._handed_over[rid] = error
             await self.engine.abort(rid)
 
+    def _outputs(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        assert self.engine is not None
+        bridge = self.bridge
+        if bridge is not None and needs_transfer(request):
+            if bridge.role == "prefill":
+                return bridge.prefill(request)
+            return bridge.decode(request)
+        return self.engine.generate(request)
+
     async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
         if not isinstance(message, PreprocessedRequest):
             raise ReplyError(f"expected a PreprocessedRequest, got {type(message).__name__}")
@@ -179,7 +218,7 @@ class EngineHost(Actor):
         rid = message.rid
         self.running += 1
         self._running.add(rid)
-        outputs = self.engine.generate(message)
+        outputs = self._outputs(message)
         try:
             async for output in outputs:
                 self.last_output = time.monotonic()

@@ -45,6 +45,7 @@ def worker_spec(
             "actors.worker._host:EngineHost",
             backend,
             config,
+            worker_id,
             options=process,
             name=name,
             backoff=backoff or Backoff(0.1, 10.0),
