@@ -6,6 +6,7 @@ import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -98,7 +99,9 @@ async def send(
         try:
             status = await _attempt(client, record, body, clock, timeout_s, on_chunk)
         except (httpx.HTTPError, OSError, json.JSONDecodeError) as exc:
-            record.error = f"transport: {type(exc).__name__}: {exc}"
+            # A stream broken after its first token is the worst outcome: say so.
+            cut = "cut mid-stream: " if record.first_token is not None else ""
+            record.error = f"transport: {cut}{type(exc).__name__}: {exc}"
             status = None
         if status == 503 and attempt < retries:
             attempt += 1
@@ -136,18 +139,21 @@ async def _attempt(
         if not body["stream"]:
             _take_completion(record, json.loads(await response.aread()), clock)
             return 200
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                error = event["error"]
-                record.error = f"{error.get('code')}: {error.get('message')}"
-                continue
-            _take_chunk(record, event, clock)
-            if on_chunk is not None and await on_chunk(record):
-                record.cancelled = True
-                return 200  # leaving the block closes the connection mid-stream
+        # aclosing: a client that hangs up leaves the line iterator unfinished; close it now,
+        # not when the garbage collector finds it (trio warns about that).
+        async with aclosing(response.aiter_lines()) as lines:
+            async for line in lines:
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]
+                    record.error = f"{error.get('code')}: {error.get('message')}"
+                    continue
+                _take_chunk(record, event, clock)
+                if on_chunk is not None and await on_chunk(record):
+                    record.cancelled = True
+                    return 200  # leaving the blocks closes the connection mid-stream
     return 200
 
 

@@ -36,7 +36,7 @@ from protocols import codec
 __all__ = ["ProcessActor", "ProcessDied", "ProcessOptions"]
 
 _ids = itertools.count(1)
-_LAST_FRAMES_S = 0.1
+_LAST_FRAMES_S = 0.02
 
 
 @attrs.frozen
@@ -83,7 +83,7 @@ class _Forwarder:
     def put_nowait(self, item: Item) -> None:
         kind, message, extra = item
         owner = self._owner
-        if owner.wire.socket.closed:
+        if owner.wire.socket.closed or owner._exited.is_set():
             raise ActorNotRunning(owner.ref.name)
         body = codec.encode(message)
         self.put_count += 1
@@ -259,7 +259,7 @@ class ProcessActor(Actor):
                 self._fail_calls(ActorCrashed(self.ref.name, ExitReason.from_error(died)))
                 with anyio.move_on_after(_LAST_FRAMES_S):
                     while self._remote_exit is None and self._ready_done():
-                        await anyio.sleep(0.005)
+                        await anyio.sleep(0.001)
                         self.wire.drain()
             remote = self._remote_exit
             if remote is not None and not remote.is_abnormal:

@@ -24,12 +24,14 @@ from prometheus_client import Counter, Histogram
 
 from actors import Actor, ActorError, ActorRef, ExitReason
 from actors.serving._router import Route, Routed
+from actors.serving._routing import RoutingTable
 from actors.telemetry import REGISTRY
 from protocols.engine import EngineOutput, PreprocessedRequest, StopConditions, Usage
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
     MigrationExhausted,
+    NoWorkerAvailable,
     RequestError,
     RequestTimeout,
     StreamIncomplete,
@@ -52,6 +54,12 @@ MIGRATION_SECONDS = Histogram(
     ["model", "type", "outcome"],
     registry=REGISTRY,
 )
+FALLBACKS = Counter(
+    "actorserve_decode_only_fallback",
+    "Disaggregated requests served by a decode worker alone (no prefill worker routable).",
+    ["model"],
+    registry=REGISTRY,
+)
 CANCELLATIONS = Counter(
     "actorserve_cancellation", "Requests cancelled by their client.", ["model"], registry=REGISTRY
 )
@@ -72,9 +80,12 @@ class RequestStream(Actor):
 
     reply_errors = (RequestError,)
 
-    def __init__(self, router: ActorRef[Any], options: StreamOptions) -> None:
+    def __init__(
+        self, router: ActorRef[Any], options: StreamOptions, table: RoutingTable | None = None
+    ) -> None:
         self.router = router
         self.options = options
+        self.table = table
 
     async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
         if not isinstance(message, PreprocessedRequest):
@@ -105,9 +116,13 @@ class RequestStream(Actor):
             routed: Routed | None = None
             try:
                 if opts.disaggregated:
-                    routed, request = await self._dispatch_prefill(request)
+                    routed, request = await self._dispatch_prefill(
+                        request, tuple(excluded), deadline
+                    )
                 else:
-                    routed = await self.router.ask(Route(request, tuple(excluded)))
+                    routed = await self._route(
+                        Route(request, tuple(excluded)), deadline, retrying=failed_at is not None
+                    )
                 async with aclosing(self._attempt(routed, request, deadline)) as outputs:
                     async for output in outputs:
                         if failed_at is not None:
@@ -141,7 +156,10 @@ class RequestStream(Actor):
                 failed_at = time.monotonic()
                 if routed is not None and not isinstance(error, KVTransferError):
                     # A transfer failure may be the prefill side's fault: keep the decode worker.
-                    excluded.append(routed.worker_id)
+                    # Only the worker that just failed: one left earlier may be serving again
+                    # (a rolling release hands a request over twice); the routing view already
+                    # skips workers that are dead, draining or unhealthy.
+                    excluded = [routed.worker_id]
                 _log.info(
                     "migrating request",
                     rid=original.rid,
@@ -151,17 +169,37 @@ class RequestStream(Actor):
                 )
                 request = _continuation(original, generated)
 
+    async def _route(self, route: Route, deadline: float, *, retrying: bool) -> Routed:
+        """Ask the router; while migrating, wait (within the deadline) for a worker of the role to
+        become routable again rather than fail: a single worker may be restarting."""
+        while True:
+            try:
+                routed: Routed = await self.router.ask(route)
+                return routed
+            except NoWorkerAvailable:
+                left = deadline - time.monotonic()
+                if not retrying or self.table is None or left <= 0:
+                    raise
+                with anyio.move_on_after(min(left, self.options.stall_timeout)) as scope:
+                    await self.table.wait_routable(1, route.role)
+                if scope.cancelled_caught:
+                    raise
+
     async def _dispatch_prefill(
-        self, request: PreprocessedRequest
+        self, request: PreprocessedRequest, exclude: tuple[str, ...], deadline: float
     ) -> tuple[Routed, PreprocessedRequest]:
         """Disaggregated: pick a prefill and a decode worker, start the prefill with a fresh room
         and return the decode side's routing and request (decode starts concurrently, as in
-        SGLang's bootstrap protocol)."""
-        prefill = await self.router.ask(Route(request, role="prefill"))
+        SGLang's bootstrap protocol). With no prefill worker routable, decode serves the request
+        alone (Dynamo's decode-only fallback)."""
+        decode = await self._route(Route(request, exclude, role="decode"), deadline, retrying=True)
         try:
-            decode = await self.router.ask(Route(request, role="decode"))
+            prefill = await self.router.ask(Route(request, role="prefill"))
+        except NoWorkerAvailable:
+            FALLBACKS.labels(self.options.model).inc()
+            return decode, msgspec.structs.replace(request, bootstrap_info=None)
         except BaseException:
-            self._done(prefill)
+            self._done(decode)
             raise
         if prefill.bootstrap is None:
             self._done(prefill)

@@ -45,7 +45,8 @@ class WorkerEntry:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining
+        # A worker whose engine is restarting stays registered for a moment: never route there.
+        return self.healthy and not self.draining and self.engine.is_running
 
     def load(self) -> float:
         """Lower is better: in-flight requests, queue, then KV pressure."""
@@ -65,9 +66,9 @@ class RoutingTable:
         """How many workers may take requests now."""
         return sum(w.routable for w in self.workers.values())
 
-    async def wait_routable(self, count: int = 1) -> None:
-        """Return once at least ``count`` workers are routable."""
-        while self.routable() < count:
+    async def wait_routable(self, count: int = 1, role: Role | None = None) -> None:
+        """Return once at least ``count`` workers (of ``role``, if given) are routable."""
+        while (self.routable() if role is None else len(self.candidates(role))) < count:
             event = anyio.Event()
             self._changed.append(event)
             await event.wait()

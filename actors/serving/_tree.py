@@ -142,7 +142,7 @@ def build_tree(serving: Serving) -> list[ChildSpec]:
         router = current_registry().whereis(serving.router_name)
         if router is None:
             raise LookupError("no router")
-        return RequestStream(router, options)
+        return RequestStream(router, options, serving.table)
 
     streams = ChildSpec(
         "streams",

@@ -85,7 +85,7 @@ class EngineHost(Actor):
         role = getattr(getattr(self.engine, "config", None), "role", "aggregated")
         if self.backend == "sglang" or role not in ("prefill", "decode") or self.bridge is not None:
             return
-        bridge = KVBridge(self.engine, role, self.worker_id)
+        bridge = KVBridge(self.engine, role, self.worker_id, self._take_fault)
         await bridge.__aenter__()
         self.bridge = bridge
 
@@ -179,10 +179,14 @@ class EngineHost(Actor):
         else:
             raise ReplyError(f"cannot perturb a {self.backend} engine with {action!r}")
 
-    def _fault(self, operation: str) -> None:
+    def _take_fault(self, operation: str) -> bool:
         left = self._faults.get(operation, 0)
         if left:
             self._faults[operation] = left - 1
+        return bool(left)
+
+    def _fault(self, operation: str) -> None:
+        if self._take_fault(operation):
             raise EngineFailure(f"injected fault in {operation}")
 
     async def _drain(self, handover: bool, shutdown: bool) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -35,10 +35,13 @@ def needs_transfer(request: PreprocessedRequest) -> bool:
 class KVBridge:
     """One worker's NIXL side: a PrefillKV or DecodeKV over the engine's KV buffer."""
 
-    def __init__(self, engine: Any, role: str, worker_id: str) -> None:
+    def __init__(
+        self, engine: Any, role: str, worker_id: str, fault: Callable[[str], bool] = lambda _: False
+    ) -> None:
         self.engine = engine
         self.role = role
         self.worker_id = worker_id
+        self._fault = fault  # test and scenario fault injection (``corrupt_kv``)
         self._stack = contextlib.AsyncExitStack()
         self.service: Any = None
         self.pool: Any = None
@@ -115,6 +118,10 @@ class KVBridge:
                 engine.fail_transfer(rid, f"{type(exc).__name__}: {exc}")
                 raise KVTransferError(f"{type(exc).__name__}: {exc}") from exc
             pages.free()
+            if self._fault("corrupt_kv"):
+                # Fault injection: one flipped byte in the first received page.
+                buffer = engine.kv_buffer(target.dp_rank)
+                buffer[target.block_ids[0], 0] ^= 0xFF
             engine.complete_transfer(rid)
             async for output in outputs:
                 yield output

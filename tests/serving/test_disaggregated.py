@@ -1,0 +1,99 @@
+"""Disaggregated serving: prefill and decode workers in their own processes, KV over NIXL."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import anyio
+import httpx
+
+from protocols import control
+from tests.helpers.serving import Tree, serving_tree
+from tests.serving.test_e2e import _stream_text
+
+DISAGG: dict[str, Any] = {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 2}
+
+
+async def _run_all(
+    client: httpx.AsyncClient, prompts: list[str], max_tokens: int
+) -> list[dict[str, Any]]:
+    results: dict[int, dict[str, Any]] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await _stream_text(client, prompts[i], max_tokens)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return [results[i] for i in range(len(prompts))]
+
+
+async def _quiet(tree: Tree) -> None:
+    """No request, page or transfer left on any worker."""
+    with anyio.fail_after(15):
+        for worker in tree.serving.roles:
+            while True:
+                stats = await tree.engine_stats(worker)
+                if stats.engine_in_flight == 0 and stats.kv_used_blocks == 0 and stats.quiescent:
+                    break
+                await anyio.sleep(0.02)
+
+
+PROMPTS = [f"disaggregated request {i}: " + "context " * (i % 5 + 3) for i in range(16)]
+
+
+async def test_disaggregated_output_equals_aggregated() -> None:
+    async with serving_tree(mode="aggregated", decode_workers=1) as agg:
+        async with httpx.AsyncClient(base_url=agg.url) as client:
+            expected = await _run_all(client, PROMPTS, 24)
+    async with serving_tree(**DISAGG) as tree:
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            got = await _run_all(client, PROMPTS, 24)
+        await _quiet(tree)
+        # The prompts' pages went prefill -> decode: both decode workers received some.
+        assert all(r["error"] is None for r in got), [r["error"] for r in got]
+    assert [r["text"] for r in got] == [r["text"] for r in expected]
+
+
+async def test_corrupted_page_is_caught_and_the_request_migrates() -> None:
+    async with serving_tree(**DISAGG, router="round_robin") as tree:
+        for worker in ("decode-0", "decode-1"):
+            await tree.engine(worker).ask(control.InjectFault("corrupt_kv"))
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            results = await _run_all(client, PROMPTS[:4], 12)
+        assert all(r["error"] is None and r["finish"] == "length" for r in results), results
+        await _quiet(tree)
+
+
+async def test_kill_decode_mid_stream_and_prefill_mid_transfer() -> None:
+    engine = {"timing": {"speedup": 1.0}}
+    async with serving_tree(**DISAGG, engine_args=engine) as tree:
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            expected = await _run_all(client, PROMPTS[:8], 60)
+            for victim in ("decode-0", "prefill-0"):
+                results: list[dict[str, Any]] = []
+
+                async def load(into: list[dict[str, Any]] = results) -> None:
+                    into.extend(await _run_all(client, PROMPTS[:8], 60))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(load)
+                    with anyio.fail_after(20):
+                        while (await tree.engine_stats(victim)).running < 1:
+                            await anyio.sleep(0.005)
+                    os.kill((await tree.engine_stats(victim)).pid, signal.SIGKILL)
+                assert all(r["error"] is None for r in results), [r["error"] for r in results]
+                assert [r["text"] for r in results] == [r["text"] for r in expected]
+                await tree.wait_ready()
+        await _quiet(tree)
+
+
+async def test_client_cancel_during_transfer_frees_both_sides() -> None:
+    engine = {"timing": {"speedup": 0.5}}
+    async with serving_tree(**DISAGG, engine_args=engine) as tree:
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            with anyio.move_on_after(0.3):
+                await _stream_text(client, "a long prompt " * 100, 200)
+        await _quiet(tree)
