@@ -34,7 +34,7 @@ from scenarios._faults_model import (
 from scenarios._metrics import COUNTERS, scrape
 from scenarios._model import Workload
 from scenarios._subprocess import RootProcess
-from scenarios._workload import Clock, RequestRecord, request_body, send
+from scenarios._workload import Clock, RequestRecord, request_body, send, send_and_hang_up
 from supervisors import SupervisorRef
 
 __all__ = ["FaultRecord", "Injector", "Target", "inject", "register_injector"]
@@ -74,6 +74,11 @@ class Target:
     @property
     def model(self) -> str:
         return self.serving.config.model
+
+    @property
+    def port(self) -> int:
+        """The frontend's port (from the client's base URL: the root may run elsewhere)."""
+        return self.client.base_url.port or 80
 
     def engine(self, worker: str) -> ActorRef[Any]:
         ref = current_registry().whereis(engine_name(worker))
@@ -261,15 +266,16 @@ async def _cancel(fault: CancelRequest, target: Target, record: FaultRecord) -> 
     prompt = f"cancel me in {fault.phase}: " + "x" * fault.prompt_chars
     body = request_body(target.workload, target.model, prompt, fault.max_tokens)
     before = COUNTERS["cancellations"](await scrape(target.client))
-
-    async def after_first_token(r: RequestRecord) -> bool:
-        return fault.phase == "decode"
-
-    with anyio.move_on_after(None if fault.phase == "decode" else fault.after_s) as scope:
-        await send(target.client, req, body, target.clock, on_chunk=after_first_token)
-    if scope.cancelled_caught:
-        req.cancelled = True
-        req.ended = target.clock.now()
+    config = target.serving.config
+    await send_and_hang_up(
+        config.host,
+        target.port,
+        body,
+        req,
+        target.clock,
+        after_first_token=fault.phase == "decode",
+        after_s=fault.after_s,
+    )
     if not req.cancelled:
         record.error = f"the request ended before it could be cancelled ({req.error or 'done'})"
         return

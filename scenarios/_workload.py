@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -86,18 +84,13 @@ async def send(
     retries: int = 0,
     retry_after_cap_s: float = 0.2,
     timeout_s: float = 60.0,
-    on_chunk: Callable[[RequestRecord], Awaitable[bool]] | None = None,
 ) -> None:
-    """Send one completion request and fill ``record``; never raises for a failed request.
-
-    ``on_chunk`` runs after each streamed chunk; returning ``True`` disconnects (a client
-    cancel). A cancel by the caller's cancel scope is recorded by the caller.
-    """
+    """Send one completion request and fill ``record``; never raises for a failed request."""
     record.started = clock.now()
     attempt = 0
     while True:
         try:
-            status = await _attempt(client, record, body, clock, timeout_s, on_chunk)
+            status = await _attempt(client, record, body, clock, timeout_s)
         except (httpx.HTTPError, OSError, json.JSONDecodeError) as exc:
             # A stream broken after its first token is the worst outcome: say so.
             cut = "cut mid-stream: " if record.first_token is not None else ""
@@ -126,7 +119,6 @@ async def _attempt(
     body: dict[str, Any],
     clock: Clock,
     timeout_s: float,
-    on_chunk: Callable[[RequestRecord], Awaitable[bool]] | None,
 ) -> int:
     async with client.stream("POST", "/v1/completions", json=body, timeout=timeout_s) as response:
         record.status = response.status_code
@@ -139,21 +131,15 @@ async def _attempt(
         if not body["stream"]:
             _take_completion(record, json.loads(await response.aread()), clock)
             return 200
-        # aclosing: a client that hangs up leaves the line iterator unfinished; close it now,
-        # not when the garbage collector finds it (trio warns about that).
-        async with aclosing(response.aiter_lines()) as lines:
-            async for line in lines:
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = event["error"]
-                    record.error = f"{error.get('code')}: {error.get('message')}"
-                    continue
-                _take_chunk(record, event, clock)
-                if on_chunk is not None and await on_chunk(record):
-                    record.cancelled = True
-                    return 200  # leaving the blocks closes the connection mid-stream
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+                record.error = f"{error.get('code')}: {error.get('message')}"
+                continue
+            _take_chunk(record, event, clock)
     return 200
 
 
@@ -229,3 +215,57 @@ def request_body(
     body = _body(workload, prompt, max_tokens, stream)
     body["model"] = model
     return body
+
+
+async def send_and_hang_up(
+    host: str,
+    port: int,
+    body: dict[str, Any],
+    record: RequestRecord,
+    clock: Clock,
+    *,
+    after_first_token: bool,
+    after_s: float,
+) -> None:
+    """A streamed request whose client disconnects: after its first token, or ``after_s``.
+
+    A raw socket, not httpx: the disconnect is then exactly a closed connection, and no HTTP
+    client machinery is left half-read behind it.
+    """
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    record.started = clock.now()
+    async with await anyio.connect_tcp(host, port) as sock:
+        await sock.send(head + payload)
+        buffer = b""
+        with anyio.move_on_after(None if after_first_token else after_s):
+            while record.finish is None and (record.first_token is None or not after_first_token):
+                try:
+                    data = await sock.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    record.error = "the server closed the connection first"
+                    break
+                buffer += data
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    _take_raw_line(record, line, clock)
+        record.cancelled = record.error is None and record.finish is None
+    record.ended = clock.now()
+
+
+def _take_raw_line(record: RequestRecord, line: bytes, clock: Clock) -> None:
+    if line.startswith(b"HTTP/1.1 "):
+        record.status = int(line.split()[1])
+    if not line.startswith(b"data: {"):
+        return  # headers, chunk sizes, keep-alives
+    try:
+        event = json.loads(line[6:])
+    except ValueError:
+        return
+    if "error" in event:
+        record.error = f"{event['error'].get('code')}: {event['error'].get('message')}"
+    else:
+        _take_chunk(record, event, clock)
