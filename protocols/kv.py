@@ -172,11 +172,15 @@ class TransferNotification(msgspec.Struct, frozen=True, array_like=True):
     """The payload of the room's NIXL notification (one per room, sent when its WRITE is done).
 
     ``checksums`` holds one little-endian uint64 per page, in the order of the request's page
-    list, or nothing when decode did not ask for them.
+    list, or nothing when decode did not ask for them. ``aux`` is engine-defined data that
+    travels with the room's KV (as SGLang's aux buffers carry the first output token): an
+    engine whose decode side cannot recompute the first token sends it here. Both fields
+    default to empty, so an older sender's shorter array still decodes.
     """
 
     room: int
     checksums: bytes = b""
+    aux: bytes = b""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -260,15 +260,16 @@ def _no_migration() -> Scenario:
 def _single_worker() -> Scenario:
     return Scenario(
         name="single-worker-killed",
-        description="The only worker is killed mid-stream (no redundancy): its streams fail, "
-        "new requests get 503 until it is back, then everything is served again.",
+        description="The only worker is killed mid-stream (no redundancy): its streams wait "
+        "for the restart or fail (typed), and once it is back everything is served again.",
         topology=topology(decode_workers=1, engine_args=_SLOWER),
         workload=Workload(clients=4, requests_per_client=4, max_tokens=120, retries=20),
         faults=(KillEngine(at=0.05, when_busy=2),),
         expect=Expect(
             success_rate=0.1,  # Dynamo's single-worker threshold
             max_recovery_s=_RECOVERY_S,
-            counters={"engine_restarts": Bound(min=1), "requests_failed": Bound(min=1)},
+            allowed_errors=("request.", "capacity.", "backend."),  # typed: never "internal"
+            counters={"engine_restarts": Bound(min=1)},
         ),
     )
 

@@ -30,6 +30,8 @@ FAST_ENGINE: dict[str, Any] = {
 # Serving defaults for scenarios: an ephemeral loopback port, and detection times scaled to CI
 # (a hung process is killed after 1 s without heartbeats, a stalled stream migrates after 2 s).
 _FAST_SERVE: dict[str, Any] = {
+    "backend": "mock",  # ServeConfig's own defaults serve a real model, disaggregated
+    "mode": "aggregated",
     "port": 0,
     "host": "127.0.0.1",
     "heartbeat_timeout": 1.0,

@@ -42,9 +42,14 @@ def configure_logging(level: str) -> None:
 @app.command()
 def run(
     config: Annotated[Path | None, typer.Option(help="TOML or YAML config file.")] = None,
-    model: Annotated[str | None, typer.Option(help="Served model name.")] = None,
-    backend: Annotated[str | None, typer.Option(help="Engine backend: mock, hf or sglang.")] = None,
-    mode: Annotated[str | None, typer.Option(help="aggregated or disaggregated.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Served model name (default: the backend's model).")
+    ] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(help="Engine backend: hf (default: SmolLM2-135M on CPU), mock or sglang."),
+    ] = None,
+    mode: Annotated[str | None, typer.Option(help="disaggregated (default) or aggregated.")] = None,
     prefill_workers: Annotated[
         int | None, typer.Option(help="Prefill workers (disaggregated).")
     ] = None,
@@ -100,7 +105,22 @@ def run(
     except (ValueError, OSError) as exc:
         console.print(f"[red]bad configuration:[/red] {exc}")
         raise typer.Exit(2) from None
-    serving = Serving(cfg)
+    try:
+        serving = Serving(cfg)
+    except ImportError as exc:
+        console.print(
+            f"[red]the {cfg.backend} backend is not installed:[/red] {exc}; install it with: "
+            f"pip install 'actorserve[{cfg.backend}]'"
+        )
+        raise typer.Exit(2) from None
+    except LookupError as exc:
+        # The exception came from actors.engines._hf, so importing it here costs nothing.
+        from actors.engines._hf import ModelPackageMissing
+
+        if not isinstance(exc, ModelPackageMissing):
+            raise
+        console.print(f"[red]the model is not installed:[/red] {exc}")
+        raise typer.Exit(2) from None
     token, token_file = (
         load_token(control_token_file) if control_api_port is not None else ("", None)
     )

@@ -54,6 +54,7 @@ class ReceivedKV:
     checksums: npt.NDArray[np.uint64] | None
     verified: bool
     seconds: float
+    aux: bytes = b""  # what prefill's ``PrefillRoom.send(aux=...)`` sent with the KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +196,7 @@ class DecodeKV:
             if pending.notif is None:
                 raise KVTransferError(f"room {room}: no KV from {endpoint} in time")
             sent = np.frombuffer(pending.notif.checksums, dtype="<u8").astype(np.uint64)
+            aux = pending.notif.aux
             verified = verify and self._verify(room, pages, sent, expected_checksums)
         except BaseException:
             self._stats["failed"] += 1
@@ -210,6 +212,7 @@ class DecodeKV:
             checksums=sent if sent.size else None,
             verified=verified,
             seconds=time.perf_counter() - start,
+            aux=aux,
         )
 
     async def wait_idle(self, timeout: float | None = None) -> bool:

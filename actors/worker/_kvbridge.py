@@ -1,22 +1,28 @@
 """Our own KV transfer for engines that do not move KV themselves (the mock, the hf engine).
 
-The engine's KV buffer is registered with NIXL once (as a :class:`~actors.kv.KVPool`), and:
+One NIXL side per worker (:class:`KVBridge`): a :class:`~actors.kv.KVPool` registered once, and a
+:class:`~actors.kv.PrefillKV` (prefill workers) or :class:`~actors.kv.DecodeKV` (decode workers)
+over it. How an engine's KV meets that pool is the engine's :class:`EngineTransfer`:
 
-- on a prefill worker, a request's room is opened *before* its first output is published; once
-  the engine finished the prompt, its pages are WRITTEN into the decode worker's pages (which the
-  decode side sent as its page list) and only then released — never freed while decode reads;
-- on a decode worker, the engine allocates the prompt's pages, the bridge receives them, and the
-  engine verifies every page against the tokens before it decodes (``KVCorrupted`` otherwise).
+- the mock (:class:`MockTransfer`) registers its own KV buffer: on prefill its pages are WRITTEN
+  straight into the decode engine's pages (sent as decode's page list) and only then released,
+  never freed while decode reads; on decode the engine allocates the prompt's pages, the bridge
+  receives them, and the engine verifies every page against the tokens before it decodes
+  (``KVCorrupted`` otherwise) and recomputes the first token itself;
+- the hf engine (:class:`~actors.worker._kvbridge_hf.HFTransfer`) computes the prompt's KV into
+  pages of a staging pool in its page layout, and its first token travels with the transfer.
 
-Engines with their own transfer (SGLang's NIXL connector) never get a bridge.
+In both, a request's room is opened *before* its first output is published, and the prefill
+stream ends only once the transfer reached a terminal state. Engines with their own transfer
+(SGLang's NIXL connector) never get a bridge.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -24,16 +30,46 @@ from actors.engines import FAKE_BOOTSTRAP_HOST
 from protocols.engine import Capacity, EngineOutput, PreprocessedRequest
 from protocols.errors import KVTransferError
 
-__all__ = ["KVBridge", "needs_transfer"]
+if TYPE_CHECKING:  # actors.kv is imported where a bridge opens: only bridged workers need NIXL
+    from actors.kv import KVPool, PageAllocation, PrefillRoom, ReceivedKV
+
+__all__ = ["EngineTransfer", "KVBridge", "MockTransfer", "Receive", "needs_transfer"]
 
 
 def needs_transfer(request: PreprocessedRequest) -> bool:
+    """Whether ``request`` is half of a disaggregated pair (a real bootstrap triple)."""
     info = request.bootstrap_info
     return info is not None and info.host != FAKE_BOOTSTRAP_HOST
 
 
+Receive = Callable[["PageAllocation", bool], Awaitable["ReceivedKV"]]
+"""``receive(pages, verify)``: the request's room into ``pages`` of the bridge's pool (see
+:meth:`actors.kv.DecodeKV.receive`: on any error the pages pass to the transfer service)."""
+
+
+class EngineTransfer(Protocol):
+    """What the bridge needs from an engine: the memory NIXL moves, and both halves of a
+    hand-off. The bridge owns the NIXL side (agent, bootstrap endpoint, rooms)."""
+
+    def pool(self) -> KVPool:
+        """The pages NIXL reads and writes (called once per bridge; the bridge closes it)."""
+        ...
+
+    def prefill(
+        self, request: PreprocessedRequest, room: PrefillRoom
+    ) -> AsyncIterator[EngineOutput]:
+        """Run the prompt, publish its output, then ``room.send`` its pages; end once the send
+        returned (the room is terminal: the pages may be reused)."""
+        ...
+
+    def decode(self, request: PreprocessedRequest, receive: Receive) -> AsyncIterator[EngineOutput]:
+        """Take the prompt's KV through ``receive`` and stream the whole generation, starting
+        with its first token."""
+        ...
+
+
 class KVBridge:
-    """One worker's NIXL side: a PrefillKV or DecodeKV over the engine's KV buffer."""
+    """One worker's NIXL side: a PrefillKV or DecodeKV over its engine's transfer pool."""
 
     def __init__(
         self, engine: Any, role: str, worker_id: str, fault: Callable[[str], bool] = lambda _: False
@@ -41,29 +77,28 @@ class KVBridge:
         self.engine = engine
         self.role = role
         self.worker_id = worker_id
-        self._fault = fault  # test and scenario fault injection (``corrupt_kv``)
+        self.transfer = transfer_for(engine, fault)
         self._stack = contextlib.AsyncExitStack()
         self.service: Any = None
-        self.pool: Any = None
+        self.pool: KVPool | None = None
         self.endpoint: str | None = None
 
     async def __aenter__(self) -> KVBridge:
-        from actors.kv import DecodeKV, KVPool, NixlAgent, PrefillKV
+        from actors.kv import DecodeKV, NixlAgent, PrefillKV
 
-        memory = self.engine.kv_memory(0)
-        self.pool = KVPool.from_buffer(self.engine.kv_buffer(0), memory.block_bytes)
+        pool = self.pool = self.transfer.pool()
         agent = NixlAgent(f"{self.role}-{self.worker_id}-{os.getpid()}")
         self._stack.callback(agent.close)
-        self._stack.callback(self.pool.close)
+        self._stack.callback(pool.close)  # LIFO: deregistered while the agent is still open
         if self.role == "prefill":
             path = f"ipc:///tmp/actorserve-kv-{os.getpid()}-{self.worker_id}.sock"
             self.service = await self._stack.enter_async_context(
-                PrefillKV(agent, self.pool, endpoint=path, worker_id=self.worker_id)
+                PrefillKV(agent, pool, endpoint=path, worker_id=self.worker_id)
             )
             self.endpoint = self.service.endpoint
         else:
             self.service = await self._stack.enter_async_context(
-                DecodeKV(agent, self.pool, worker_id=self.worker_id)
+                DecodeKV(agent, pool, worker_id=self.worker_id)
             )
         return self
 
@@ -87,30 +122,90 @@ class KVBridge:
         """Run the prompt; then WRITE its pages to decode; the stream ends when the transfer has
         reached a terminal state."""
         assert request.bootstrap_info is not None
-        engine, rid = self.engine, request.rid
         with self.service.open_room(request.bootstrap_info.room) as room:
-            outputs = engine.generate(request)
+            outputs = self.transfer.prefill(request, room)
             try:
                 async for output in outputs:
                     yield output
             finally:
-                await outputs.aclose()
-            source = await engine.wait_transfer_source(rid)
-            try:
-                await room.send(list(source.block_ids))
-            finally:
-                engine.release_transfer(rid)
+                await _aclose(outputs)
 
     async def decode(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         """Take the prompt's pages from prefill, then decode from them."""
-        assert request.bootstrap_info is not None
+        bootstrap = request.bootstrap_info
+        assert bootstrap is not None
+
+        async def receive(pages: PageAllocation, verify: bool) -> ReceivedKV:
+            got: ReceivedKV = await self.service.receive(bootstrap, pages, verify=verify)
+            return got
+
+        outputs = self.transfer.decode(request, receive)
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await _aclose(outputs)
+
+
+def transfer_for(engine: Any, fault: Callable[[str], bool]) -> EngineTransfer:
+    """The :class:`EngineTransfer` of ``engine`` (mock or hf)."""
+    if hasattr(engine, "generate_from_kv"):
+        from actors.worker._kvbridge_hf import HFTransfer
+
+        return HFTransfer(engine)
+    return MockTransfer(engine, fault)
+
+
+async def _aclose(outputs: AsyncIterator[EngineOutput]) -> None:
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class MockTransfer:
+    """The mock engine's transfer hooks (see ``actors.engines._mock._transfer``): NIXL moves its
+    own KV buffer, and decode verifies the pages against the tokens itself."""
+
+    def __init__(self, engine: Any, fault: Callable[[str], bool]) -> None:
+        self.engine = engine
+        self._fault = fault  # test and scenario fault injection (``corrupt_kv``)
+        self._pool: KVPool | None = None
+
+    def pool(self) -> KVPool:
+        from actors.kv import KVPool
+
+        memory = self.engine.kv_memory(0)
+        self._pool = KVPool.from_buffer(self.engine.kv_buffer(0), memory.block_bytes)
+        return self._pool
+
+    async def prefill(
+        self, request: PreprocessedRequest, room: PrefillRoom
+    ) -> AsyncIterator[EngineOutput]:
+        engine, rid = self.engine, request.rid
+        outputs = engine.generate(request)
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()
+        source = await engine.wait_transfer_source(rid)
+        try:
+            await room.send(list(source.block_ids))
+        finally:
+            engine.release_transfer(rid)
+
+    async def decode(
+        self, request: PreprocessedRequest, receive: Receive
+    ) -> AsyncIterator[EngineOutput]:
+        assert self._pool is not None
         engine, rid = self.engine, request.rid
         outputs = engine.generate(request)
         try:
             target = await engine.wait_transfer_target(rid)
-            pages = self.pool.alloc_exact(list(target.block_ids))
+            pages = self._pool.alloc_exact(list(target.block_ids))
             try:
-                await self.service.receive(request.bootstrap_info, pages, verify=False)
+                # The engine verifies the pages itself (complete_transfer): no checksums needed.
+                await receive(pages, False)
             except KVTransferError as exc:
                 engine.fail_transfer(rid, str(exc))
                 raise

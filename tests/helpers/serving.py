@@ -1,4 +1,5 @@
-"""Start the serving tree in the test's own event loop (mock engines in child processes)."""
+"""Start the serving tree in the test's own event loop (engines in child processes: the mock
+unless a test asks for another backend)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,15 @@ class Tree:
 
 @asynccontextmanager
 async def serving_tree(budgets: Budgets | None = None, **overrides: Any) -> AsyncIterator[Tree]:
-    """The root's children (model subtree, frontend, lifecycle) in this event loop."""
-    engine_args = {**FAST_ENGINE, **overrides.pop("engine_args", {})}
+    """The root's children (model subtree, frontend, lifecycle) in this event loop.
+
+    The backend is the mock unless ``backend`` says otherwise (ServeConfig's own default is the
+    hf engine); :data:`FAST_ENGINE` (mock settings) is merged under the mock's ``engine_args``.
+    """
+    backend = overrides.setdefault("backend", "mock")
+    engine_args = overrides.pop("engine_args", {})
+    if backend == "mock":
+        engine_args = {**FAST_ENGINE, **engine_args}
     config = ServeConfig(port=0, engine_args=engine_args, **overrides)
     serving = Serving(config)
     options = RootOptions(budgets=budgets or Budgets(grace=0.0, release_grace=0.0, drain=10.0))

@@ -30,13 +30,21 @@ def _rss(pid: int) -> int:
 
 
 async def _load(
-    client: httpx.AsyncClient, n: int, results: list[dict[str, Any]], max_tokens: int = 80
+    client: httpx.AsyncClient,
+    n: int,
+    results: list[dict[str, Any]],
+    max_tokens: int = 80,
+    started: list[int] | None = None,
 ) -> None:
+    def first() -> None:
+        if started is not None:
+            started.append(1)
+
     async with anyio.create_task_group() as tg:
         for i in range(n):
 
             async def one(i: int = i) -> None:
-                results.append(await _stream_text(client, f"load {i} please", max_tokens))
+                results.append(await _stream_text(client, f"load {i} please", max_tokens, first))
 
             tg.start_soon(one)
 
@@ -178,6 +186,10 @@ def _start_root(port: int, *extra: str) -> subprocess.Popen[str]:
         "-m",
         "supervisors._cli_main",
         "run",
+        "--backend",
+        "mock",
+        "--mode",
+        "aggregated",
         "--port",
         str(port),
         "--grace-period",
@@ -220,9 +232,12 @@ async def test_sigterm_under_load_drains_every_request_and_exits_0() -> None:
         await _wait_http(port)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             results: list[dict[str, Any]] = []
+            in_flight: list[int] = []
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_load, client, 12, results, 150)
-                await anyio.sleep(0.5)
+                tg.start_soon(_load, client, 12, results, 150, in_flight)
+                with anyio.fail_after(60):
+                    while len(in_flight) < 12:  # every request is streaming when the signal comes
+                        await anyio.sleep(0.01)
                 started = time.monotonic()
                 root.send_signal(signal.SIGTERM)
             assert len(results) == 12

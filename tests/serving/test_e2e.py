@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -17,7 +18,11 @@ from tests.helpers.serving import serving_tree
 
 
 async def _stream_text(
-    client: httpx.AsyncClient, prompt: str, max_tokens: int, **extra: Any
+    client: httpx.AsyncClient,
+    prompt: str,
+    max_tokens: int,
+    on_first: Callable[[], None] | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """One streamed completion: its text, finish reason, usage and any error event."""
     body = {
@@ -48,6 +53,9 @@ async def _stream_text(
             if "error" in event:
                 error = event["error"]
                 continue
+            if on_first is not None and event.get("choices"):
+                on_first()
+                on_first = None
             for choice in event.get("choices", []):
                 text += choice.get("text") or ""
                 finish = choice.get("finish_reason") or finish

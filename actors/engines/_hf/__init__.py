@@ -9,7 +9,14 @@ folder); the KV page layout for disaggregation (:class:`KVLayout`, :func:`pages_
 from ._engine import HFEngine
 from ._kv import KVBuffer, KVLayout, pages_needed
 from ._model import ModelFiles, ModelPackageMissing, default_cache_dir, find_smollm2
-from ._types import HFEngineConfig, HFEngineStatistics, PrefilledKV
+from ._types import (
+    HFEngineConfig,
+    HFEngineStatistics,
+    PrefilledKV,
+    config_from_dict,
+    decode_config,
+    encode_config,
+)
 
 __all__ = [
     "HFEngine",
@@ -20,7 +27,10 @@ __all__ = [
     "ModelFiles",
     "ModelPackageMissing",
     "PrefilledKV",
+    "config_from_dict",
+    "decode_config",
     "default_cache_dir",
+    "encode_config",
     "find_smollm2",
     "pages_needed",
 ]

