@@ -35,7 +35,12 @@ def report(title: str, rows: list[tuple[str, Any, str]], result: dict[str, Any])
     table.add_column("value", justify="right")
     table.add_column("note")
     for name, value, note in rows:
-        shown = f"{value:,.2f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value)
+        if isinstance(value, float):
+            shown = f"{value:,.2f}"
+        elif isinstance(value, int):
+            shown = f"{value:,}"
+        else:
+            shown = str(value)
         table.add_row(name, shown, note)
     Console(stderr=False).print(table)
     print(json.dumps(result), flush=True)

@@ -95,7 +95,7 @@ async def run(engine: MockEngine, req: PreprocessedRequest) -> tuple[list[int], 
 async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     """Wait until ``predicate()`` holds (engine state a test can observe but not await)."""
     with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 - polling is the point
+        while not predicate():
             await anyio.sleep(0.001)
 
 

@@ -148,7 +148,7 @@ async def collect(stream: AsyncGenerator[EngineOutput, None]) -> tuple[list[int]
 async def wait_until(predicate: Any) -> None:
     """Poll an engine statistic (state the step thread publishes; nothing to wait on)."""
     with anyio.fail_after(20):
-        while not predicate():  # noqa: ASYNC110
+        while not predicate():
             await anyio.sleep(0.01)
 
 

@@ -222,7 +222,7 @@ class FakeSGLang:
 
 
 async def _until(cond: Callable[[], bool], state: FakeState) -> None:
-    while not cond() and state.aborted is None:  # noqa: ASYNC110 - polls two conditions
+    while not cond() and state.aborted is None:
         await asyncio.sleep(0.001)
 
 
@@ -256,7 +256,7 @@ class FakeTokenizerManager:
         pass
 
     async def _sigterm_watchdog(self) -> None:
-        while not self.gracefully_exit:  # noqa: ASYNC110 - SGLang's watchdog polls like this
+        while not self.gracefully_exit:
             await asyncio.sleep(0.05)
         raise SystemExit(0)  # what SGLang's watchdog ends in: it must never get here
 
@@ -492,7 +492,7 @@ async def collect(
 
 async def wait_for(cond: Callable[[], bool]) -> None:
     with anyio.fail_after(5):
-        while not cond():  # noqa: ASYNC110 - any condition on the fakes' state
+        while not cond():
             await anyio.sleep(0.001)
 
 
