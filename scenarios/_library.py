@@ -43,7 +43,7 @@ def _migrating(
     fault: Fault,
     *,
     migrate: bool = True,
-    stall_timeout: float = 2.0,
+    stall_timeout: float = 4.0,
     **counters: Bound | int,
 ) -> Scenario:
     """Two aggregated workers, long streams, one fault on the busiest: every stream completes
@@ -90,9 +90,9 @@ def _sigterm() -> Scenario:
 def _stall() -> Scenario:
     return _migrating(
         "engine-stalled-sigstop",
-        "SIGSTOP the busiest engine for 3 s: missed heartbeats get it killed and restarted, its "
-        "streams migrate; SIGCONT finds it gone.",
-        StallEngine(at=0.05, when_busy=2, duration_s=3.0),
+        "SIGSTOP the busiest engine for 4 s: 2 s without heartbeats get it killed and "
+        "restarted, its streams migrate; SIGCONT finds it gone.",
+        StallEngine(at=0.05, when_busy=2, duration_s=4.0),
         engine_restarts=Bound(min=1),
     )
 
@@ -125,7 +125,7 @@ def _hang() -> Scenario:
         "Generation stops on the busiest engine while its process stays alive: streams stall "
         "and migrate, canaries on the now idle worker fail and the health checker restarts it.",
         HangEngine(at=0.05, when_busy=2),
-        stall_timeout=1.0,
+        stall_timeout=1.5,
         engine_restarts=Bound(min=1),
         canary_failures=Bound(min=2),
     )

@@ -28,14 +28,15 @@ FAST_ENGINE: dict[str, Any] = {
 }
 
 # Serving defaults for scenarios: an ephemeral loopback port, and detection times scaled to CI
-# (a hung process is killed after 1 s without heartbeats, a stalled stream migrates after 2 s).
+# (a hung process is killed after 2 s without heartbeats, a stalled stream migrates after 4 s:
+# short enough for a quick suite, long enough that a busy 2-core box does not trip them).
 _FAST_SERVE: dict[str, Any] = {
     "backend": "mock",  # ServeConfig's own defaults serve a real model, disaggregated
     "mode": "aggregated",
     "port": 0,
     "host": "127.0.0.1",
-    "heartbeat_timeout": 1.0,
-    "stall_timeout": 2.0,
+    "heartbeat_timeout": 2.0,
+    "stall_timeout": 4.0,
     "request_timeout": 60.0,
     "health_idle_after": 0.3,
     "health_timeout": 0.5,
