@@ -110,7 +110,8 @@ class ConnectPeer:
 class InjectFault:
     """Fault injection for tests and scenarios: the next ``count`` calls of ``operation``
     (``release_memory``, ``resume_memory``, ``pause``, ``generate``, ``health``: the health
-    checker's canary payload) raise."""
+    checker's canary payload) raise; on a decode worker with our KV bridge, the next ``count``
+    transfers fail (``fail_kv``) or arrive with a flipped byte (``corrupt_kv``)."""
 
     operation: str
     count: int = 1

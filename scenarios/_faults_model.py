@@ -3,7 +3,8 @@
 Every fault fires ``at`` seconds after the faulted workload starts; a fault aimed at a worker
 first waits (up to ``wait_s``) until that worker's engine runs at least ``when_busy`` requests,
 so "killed mid-stream" means mid-stream on a slow or a fast machine alike. ``worker="busiest"``
-picks the worker running the most requests at that moment.
+picks the worker running the most requests at that moment (``"busiest-decode"``,
+``"busiest-prefill"``: among the workers of that role).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "DropPublisher",
     "FailCanaries",
     "FailGenerate",
+    "FailKvTransfer",
     "Fault",
     "HangEngine",
     "KillEngine",
@@ -117,6 +119,17 @@ class FailGenerate(_WorkerFault):
 
 
 @attrs.frozen(kw_only=True)
+class FailKvTransfer(_WorkerFault):
+    """The decode worker's next ``count`` KV transfers (disaggregated serving) fail
+    (``corrupt=False``) or arrive corrupted, one flipped byte that verification must catch."""
+
+    kind: ClassVar[str] = "kv_transfer"
+    worker: str = "decode-0"
+    count: int = 1
+    corrupt: bool = False
+
+
+@attrs.frozen(kw_only=True)
 class DropPublisher(_WorkerFault):
     """Close the ZMQ subscriptions of the worker's publisher under it."""
 
@@ -169,6 +182,7 @@ FAULT_KINDS: dict[str, type[Fault]] = {
         SlowEngine,
         FailCanaries,
         FailGenerate,
+        FailKvTransfer,
         DropPublisher,
         CrashLoop,
         CancelRequest,

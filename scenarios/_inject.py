@@ -24,6 +24,7 @@ from scenarios._faults_model import (
     DropPublisher,
     FailCanaries,
     FailGenerate,
+    FailKvTransfer,
     Fault,
     HangEngine,
     KillEngine,
@@ -105,7 +106,13 @@ class Target:
     async def busy_worker(self, fault: _WorkerFault) -> tuple[str, str | None]:
         """The worker ``fault`` aims at, once it runs ``when_busy`` requests (or the wait ran
         out: then also why)."""
-        workers = list(self.serving.roles) if fault.worker == "busiest" else [fault.worker]
+        if fault.worker.startswith("busiest"):
+            _, _, role = fault.worker.partition("-")  # busiest-decode: decode workers only
+            workers = [w for w in self.serving.roles if w.startswith(role)]
+        else:
+            workers = [fault.worker]
+        if not workers:
+            raise LookupError(f"no worker matches {fault.worker!r}")
         best, best_running = workers[0], -1
         with anyio.move_on_after(fault.wait_s):
             while True:
@@ -237,6 +244,15 @@ async def _fail_generate(fault: FailGenerate, target: Target, record: FaultRecor
     await target.engine(record.target).ask(control.InjectFault("generate", fault.count))
     record.injected_at = target.clock.now()
     record.detail = f"next {fault.count} requests fail before their first token"
+
+
+@register_injector(FailKvTransfer)
+async def _fail_kv(fault: FailKvTransfer, target: Target, record: FaultRecord) -> None:
+    operation = "corrupt_kv" if fault.corrupt else "fail_kv"
+    await target.engine(record.target).ask(control.InjectFault(operation, fault.count))
+    record.injected_at = target.clock.now()
+    what = "arrive corrupted" if fault.corrupt else "fail"
+    record.detail = f"next {fault.count} KV transfers into it {what}"
 
 
 @register_injector(DropPublisher)

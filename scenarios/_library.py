@@ -19,6 +19,7 @@ from scenarios._faults_model import (
     DropPublisher,
     FailCanaries,
     FailGenerate,
+    FailKvTransfer,
     Fault,
     HangEngine,
     KillEngine,
@@ -352,6 +353,58 @@ def _drain() -> Scenario:
     )
 
 
+_DISAGG: dict[str, object] = {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 2}
+
+
+def _disagg_decode_kill() -> Scenario:
+    return Scenario(
+        name="disagg-decode-killed-mid-stream",
+        description="Disaggregated (1 prefill, 2 decode, KV over NIXL): SIGKILL the busiest "
+        "decode worker mid-stream; its streams migrate (re-prefilled) with the fault-free "
+        "tokens.",
+        topology=topology(**_DISAGG, router="round_robin", engine_args=_SLOWER),
+        workload=_STREAMING,
+        faults=(KillEngine(worker="busiest-decode", at=0.05, when_busy=2),),
+        expect=Expect(
+            max_token_gap_s=_GAP_S,
+            max_recovery_s=_RECOVERY_S,
+            counters={"migrations_ongoing": Bound(min=1), "engine_restarts": Bound(min=1)},
+        ),
+    )
+
+
+def _disagg_prefill_kill() -> Scenario:
+    return Scenario(
+        name="disagg-prefill-killed-mid-transfer",
+        description="Disaggregated (2 prefill, 2 decode): SIGKILL a prefill worker while it "
+        "prefills or still owes KV: the decode side's transfer fails, the request is "
+        "re-dispatched, every client gets the fault-free tokens.",
+        topology=topology(
+            **{**_DISAGG, "prefill_workers": 2}, router="round_robin", engine_args=_SLOWER
+        ),
+        workload=Workload(clients=6, requests_per_client=3, max_tokens=48, prompt_chars=1500),
+        faults=(KillEngine(worker="busiest-prefill", at=0.05, when_busy=1),),
+        expect=Expect(
+            max_recovery_s=_RECOVERY_S,
+            counters={"migrations": Bound(min=1), "engine_restarts": Bound(min=1)},
+        ),
+    )
+
+
+def _kv_transfer(corrupt: bool) -> Scenario:
+    what = "arrive corrupted (a flipped byte)" if corrupt else "fail"
+    return Scenario(
+        name="kv-transfer-corrupted" if corrupt else "kv-transfer-fails",
+        description=f"Disaggregated: a decode worker's next 2 KV transfers {what}; "
+        + ("its page verification catches it, " if corrupt else "")
+        + "each request is re-dispatched and completes with the fault-free tokens.",
+        topology=topology(**_DISAGG, router="round_robin"),
+        workload=Workload(clients=4, requests_per_client=3, max_tokens=32),
+        faults=(FailKvTransfer(worker="decode-0", count=2, corrupt=corrupt),),
+        expect=Expect(counters={"migrations_new": Bound(min=2), "engine_restarts": 0}),
+    )
+
+
 _BUILDERS: list[Callable[[], Scenario]] = [
     _kill,
     _sigterm,
@@ -374,6 +427,10 @@ _BUILDERS: list[Callable[[], Scenario]] = [
     _release_resume,
     _rolling_release,
     _drain,
+    _disagg_decode_kill,
+    _disagg_prefill_kill,
+    lambda: _kv_transfer(corrupt=False),
+    lambda: _kv_transfer(corrupt=True),
 ]
 
 LIBRARY: dict[str, Scenario] = {s.name: s for s in (build() for build in _BUILDERS)}

@@ -168,7 +168,7 @@ class MockTransfer:
 
     def __init__(self, engine: Any, fault: Callable[[str], bool]) -> None:
         self.engine = engine
-        self._fault = fault  # test and scenario fault injection (``corrupt_kv``)
+        self._fault = fault  # test and scenario fault injection (``corrupt_kv``, ``fail_kv``)
         self._pool: KVPool | None = None
 
     def pool(self) -> KVPool:
@@ -213,6 +213,10 @@ class MockTransfer:
                 engine.fail_transfer(rid, f"{type(exc).__name__}: {exc}")
                 raise KVTransferError(f"{type(exc).__name__}: {exc}") from exc
             pages.free()
+            if self._fault("fail_kv"):
+                # Fault injection: the transfer fails (as a lost NIXL connection would).
+                engine.fail_transfer(rid, "injected KV transfer failure")
+                raise KVTransferError("injected KV transfer failure")
             if self._fault("corrupt_kv"):
                 # Fault injection: one flipped byte in the first received page.
                 buffer = engine.kv_buffer(target.dp_rank)
