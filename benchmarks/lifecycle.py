@@ -38,7 +38,13 @@ ENGINE: dict[str, Any] = {
 
 
 async def _stream(
-    client: httpx.AsyncClient, prompt: str, max_tokens: int, gaps: list[float], started: list[int]
+    client: httpx.AsyncClient,
+    prompt: str,
+    max_tokens: int,
+    gaps: list[float],
+    started: list[int],
+    all_started: anyio.Event,
+    expected: int,
 ) -> None:
     body = {
         "model": "mock",
