@@ -69,6 +69,8 @@ class Incarnation:
         self.stop_reason: ExitReason | None = None
         self.kill_reason: ExitReason | None = None
         self.exit_reason: ExitReason | None = None
+        self._pumps = 0
+        self._pumps_idle: anyio.Event | None = None
         self.channels: set[StreamChannel] = set()
         self.crashed_reply: Reply | None = None  # the ask whose handler crashed the actor
         # Listeners this incarnation put on other actors' cells (monitors, links), dropped when
@@ -164,8 +166,8 @@ class Incarnation:
                         cell.bind(self.mailbox if inbox is None else inbox, self.backend, self)
                         bound = True
                         self.ready.set(self.ref)
-                        async with anyio.create_task_group() as streams:
-                            reason = await self._serve(streams)
+                        reason = await self._serve(tg)
+                        await self._wait_pumps()
                         stopping_ran = True
                         await self.actor.stopping(reason)
                         tg.cancel_scope.cancel()
@@ -202,6 +204,12 @@ class Incarnation:
         except Exception:
             pass
 
+    async def _wait_pumps(self) -> None:
+        """Graceful exit: the running streams finish first (or the shutdown timeout kills)."""
+        while self._pumps:
+            self._pumps_idle = anyio.Event()
+            await self._pumps_idle.wait()
+
     async def _serve(self, streams: anyio.abc.TaskGroup) -> ExitReason:
         mailbox = self.mailbox
         items = mailbox.items
@@ -232,6 +240,9 @@ class Incarnation:
                 except reply_errors:
                     pass  # a reply error to a tell has nobody to go to
             elif kind == STREAM:
+                # Stream pumps share the actor's task group (one group per actor is cheaper
+                # than two); _wait_pumps gives them the graceful exit a group of their own would.
+                self._pumps += 1
                 streams.start_soon(self._pump, message, extra)
             elif kind == ASK_ABORTABLE:
                 await self._abortable_ask(receive, message, extra)
@@ -288,6 +299,9 @@ class Incarnation:
             # its consumer must get the exit reason, never hang.
             if channel.finished:
                 self.channels.discard(channel)
+            self._pumps -= 1
+            if not self._pumps and self._pumps_idle is not None:
+                self._pumps_idle.set()
 
     def _fail_pending(self, reason: ExitReason) -> None:
         error = crash_error(self.ref.name, reason)

@@ -1,6 +1,8 @@
-"""Benchmark of the ``hf`` engine alone on SmolLM2-135M-Instruct (fp32, CPU or CUDA).
+"""Benchmark of the ``hf`` engine on SmolLM2-135M-Instruct (fp32, CPU or CUDA): alone, and served.
 
     python benchmarks/hf_engine.py [--max-tokens 32] [--threads N] [--backend asyncio|trio]
+
+The engine alone:
 
 - ``hf_generate_tokens_per_s``: transformers' own ``model.generate`` (greedy, one prompt at a
   time), the baseline.
@@ -9,13 +11,23 @@
   batched by the engine; completion tokens / wall time.
 - ``engine_ttft_ms_p50``: time from submission to the first token, one request at a time.
 
-Every request is greedy with ``ignore_eos`` so each produces exactly ``--max-tokens`` tokens.
-CPU time is shown next to wall time: these machines are shared.
+Served: the serving tree of ``actorserve run`` with its root in this process (engines in their
+own processes), driven over HTTP (streamed ``/v1/completions``, token-id prompts):
 
-A table first, then one JSON line. The serving-path numbers of issue 9 (``served_tokens_per_s``
-through ``actorserve run``, ``ttft_ms_agg_p50`` / ``ttft_ms_disagg_p50``) belong in further
-``measure_*`` functions beside :func:`measure_engine`, merged by :func:`main_async` into the
-same rows and JSON line.
+- ``served_tokens_per_s`` (headline) / ``served_tokens_per_s_batch1``: aggregated, one worker
+  (the engine alone's setup plus the runtime: frontend, request-stream actor, router, the
+  process boundary), four concurrent requests / one at a time;
+- ``ttft_ms_agg_p50``: time from the HTTP request to its first streamed token, one request at a
+  time, aggregated;
+- ``ttft_ms_disagg_p50`` / ``served_tokens_per_s_disagg``: the same disaggregated, one prefill and
+  two decode workers (``actorserve run``'s default): prefill, KV moved over NIXL, decode.
+
+Every request is greedy with ``ignore_eos`` so each produces exactly ``--max-tokens`` tokens.
+CPU time (this process and its children) is shown next to wall time: these machines are shared.
+Served engines use ``--threads`` torch threads (default: what the serving tree picks, one per
+core shared among its engines).
+
+A table first, then one JSON line.
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
+import psutil
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -38,11 +52,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engines._hf import HFEngine, HFEngineConfig, find_smollm2
 from actors.engines._hf._model import load_model
+from actors.serving import ServeConfig, Serving
 from protocols.engine import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
 )
+from supervisors import SupervisorFlags, open_supervisor
+from supervisors._lifecycle import Budgets
+from supervisors._root import RootOptions, serving_children
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -183,6 +201,132 @@ async def measure_engine(args: argparse.Namespace) -> tuple[list[Throughput], di
     return rows, metrics
 
 
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process and its children (the served engines run in children)."""
+    total = 0.0
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+async def _served_one(
+    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, ttft: list[float]
+) -> int:
+    """One streamed completion; its completion tokens (from usage), its TTFT into ``ttft``."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start, first, tokens = time.perf_counter(), True, 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"served request failed: {event['error']}")
+            if first and event.get("choices"):
+                first = False
+                ttft.append((time.perf_counter() - start) * 1000)
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    return tokens
+
+
+async def served_throughput(
+    name: str,
+    client: httpx.AsyncClient,
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    batch: int,
+    n_requests: int,
+) -> Throughput:
+    """``n_requests`` over HTTP, ``batch`` at a time, prompts cycled."""
+    ttft: list[float] = []
+    counts: list[int] = []
+    wall, cpu = time.perf_counter(), _tree_cpu_s()
+    for start in range(0, n_requests, batch):
+
+        async def run(i: int) -> None:
+            prompt = prompts[i % len(prompts)]
+            counts.append(await _served_one(client, model, prompt, max_tokens, ttft))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(start, min(start + batch, n_requests)):
+                tg.start_soon(run, i)
+    return Throughput(
+        name, batch, sum(counts), time.perf_counter() - wall, _tree_cpu_s() - cpu, ttft
+    )
+
+
+async def measure_served(
+    args: argparse.Namespace, mode: str
+) -> tuple[list[Throughput], dict[str, Any]]:
+    """The serving tree (``mode``), root in this process, over HTTP: batch 1 (TTFT) and 4."""
+    files = find_smollm2()
+    prompts = chat_prompts(files.tokenizer_path)
+    engine_args: dict[str, Any] = {}
+    if args.threads is not None:
+        engine_args["num_threads"] = args.threads
+    topology: dict[str, Any] = (
+        {"mode": "aggregated", "decode_workers": 1}
+        if mode == "aggregated"
+        else {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 2}
+    )
+    config = ServeConfig(backend="hf", port=0, engine_args=engine_args, **topology)
+    serving = Serving(config)
+    options = RootOptions(budgets=Budgets(grace=0.0, release_grace=0.0, drain=10.0))
+    children = serving_children(serving, options, lambda: None)
+    async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)):
+        with anyio.fail_after(300):
+            await serving.table.wait_routable(len(serving.roles))
+        url = f"http://127.0.0.1:{serving.port}"
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            model = config.model
+            for prompt in prompts:  # warm-up: every worker has run a request
+                await _served_one(client, model, prompt, 2, [])
+            short = "agg" if mode == "aggregated" else "disagg"
+            batch1 = await served_throughput(
+                f"served {short}, batch 1",
+                client,
+                model,
+                prompts,
+                args.max_tokens,
+                1,
+                args.ttft_requests,
+            )
+            batch4 = await served_throughput(
+                f"served {short}, batch 4", client, model, prompts, args.max_tokens, 4, 8
+            )
+    if mode == "aggregated":
+        metrics: dict[str, Any] = {
+            "served_tokens_per_s": round(batch4.tokens_per_s, 2),
+            "served_tokens_per_s_batch1": round(batch1.tokens_per_s, 2),
+            "ttft_ms_agg_p50": round(statistics.median(batch1.ttft_ms), 1),
+        }
+    else:
+        metrics = {
+            "served_tokens_per_s_disagg": round(batch4.tokens_per_s, 2),
+            "served_tokens_per_s_disagg_batch1": round(batch1.tokens_per_s, 2),
+            "ttft_ms_disagg_p50": round(statistics.median(batch1.ttft_ms), 1),
+        }
+    metrics[f"served_threads_{mode}"] = (
+        serving.hf_threads() if args.threads is None else args.threads
+    )
+    return [batch1, batch4], metrics
+
+
 def print_table(rows: list[Throughput], max_tokens: int) -> None:
     """The human-readable table (before the JSON line)."""
     table = Table(title=f"hf engine, SmolLM2-135M fp32, {max_tokens} tokens/request")
@@ -203,9 +347,16 @@ def print_table(rows: list[Throughput], max_tokens: int) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    """Every measurement; the serving-path ones (``served_tokens_per_s``, TTFT aggregated vs
-    disaggregated) join here as further ``measure_*`` calls once ``actorserve run`` exists."""
+    """Every measurement, merged into one table and one JSON line."""
     rows, metrics = await measure_engine(args)
+    if not args.skip_served:
+        for mode in ("aggregated", "disaggregated"):
+            served_rows, served = await measure_served(args, mode)
+            rows += served_rows
+            metrics.update(served)
+        metrics["served_vs_engine"] = round(
+            metrics["served_tokens_per_s"] / metrics["engine_tokens_per_s"], 3
+        )
     print_table(rows, args.max_tokens)
     return {
         **metrics,
@@ -223,6 +374,12 @@ def main() -> None:
     )
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument(
+        "--skip-served", action="store_true", help="skip the serving-tree measurements"
+    )
+    parser.add_argument(
+        "--ttft-requests", type=int, default=8, help="sequential served requests per mode"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

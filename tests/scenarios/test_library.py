@@ -38,7 +38,10 @@ def test_the_library_covers_the_failures_users_fear() -> None:
         "rolling_release",
         "drain",
         "signal_root",
+        "kv_transfer",
     } <= kinds
+    modes = {scenario.topology.mode for scenario in LIBRARY.values()}
+    assert modes == {"aggregated", "disaggregated"}
     phases = {
         f.phase
         for s in LIBRARY.values()

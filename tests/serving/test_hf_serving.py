@@ -26,6 +26,7 @@ from actors import current_registry
 from actors.engines._hf import find_smollm2
 from actors.engines._hf._model import load_model
 from actors.frontend import HFTokenizer
+from actors.telemetry import REGISTRY
 from protocols.engine import PreprocessedRequest, SamplingOptions, StopConditions
 from supervisors import SupervisorRef
 from tests.helpers.serving import Tree, serving_tree
@@ -57,6 +58,12 @@ def _chat(tokenizer: HFTokenizer, text: str) -> list[int]:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}])
 
 
+def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+    ids: list[int] = out[0, len(prompt) :].tolist()
+    return ids
+
+
 @pytest.fixture(scope="module")
 def ref() -> Iterator[Reference]:
     threads_before = torch.get_num_threads()  # process-wide: give it back to other modules
@@ -66,15 +73,9 @@ def ref() -> Iterator[Reference]:
     prompts = [_chat(tokenizer, q) for q in QUESTIONS]
     story = _chat(tokenizer, STORY)
     model = load_model(files.folder, "cpu")
-
-    def generate(prompt: list[int], n: int) -> list[int]:
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
-        ids: list[int] = out[0, len(prompt) :].tolist()
-        return ids
-
     with torch.inference_mode():
-        greedy = [generate(p, MAX_TOKENS) for p in prompts]
-        story_greedy = generate(story, LONG)
+        greedy = [_greedy(model, p, MAX_TOKENS) for p in prompts]
+        story_greedy = _greedy(model, story, LONG)
     del model
     assert len(story_greedy) == LONG, "the story must not end before LONG tokens"
     yield Reference(tokenizer, prompts, greedy, story, story_greedy)
@@ -111,6 +112,12 @@ async def _generate_all(tree: Tree, prompts: list[list[int]], max_tokens: int) -
     return results
 
 
+def _migrations(tree: Tree) -> float:
+    """Running requests re-dispatched so far (the ``actorserve_migration`` counter)."""
+    labels = {"model": tree.serving.config.model, "type": "ongoing_request"}
+    return REGISTRY.get_sample_value("actorserve_migration_total", labels) or 0.0
+
+
 async def test_greedy_is_generate_token_for_token_aggregated_and_disaggregated(
     ref: Reference,
 ) -> None:
@@ -136,6 +143,7 @@ async def test_sigkill_of_the_decode_worker_continues_with_the_same_greedy_token
     ref: Reference,
 ) -> None:
     async with serving_tree(**DISAGG, router="round_robin") as tree:
+        migrations = _migrations(tree)
         tokens: list[int] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(_generate, tree, ref.story, LONG, tokens)
@@ -150,6 +158,10 @@ async def test_sigkill_of_the_decode_worker_continues_with_the_same_greedy_token
             assert len(victims) == 1, victims  # the request's decode worker, mid-stream
             os.kill(victims[0].pid, signal.SIGKILL)
         assert tokens == ref.story_greedy
+        assert _migrations(tree) == migrations + 1
+        # The continuation (prompt + tokens so far) was prefilled again and its KV moved to a
+        # decode worker: two prefills for the one request.
+        assert (await tree.engine_stats("prefill-0")).finished == 2
         await tree.wait_ready(timeout=60)  # the killed worker is back
 
 
