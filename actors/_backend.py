@@ -12,10 +12,11 @@ nobody parked is simply dropped.
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Any, Protocol
 
 import sniffio
+
+from actors._timeouts import aio_deadlines, trio_deadlines
 
 __all__ = ["Backend", "Parking", "Reply", "backend"]
 
@@ -103,21 +104,15 @@ class _AioReply:
     def done(self) -> bool:
         return self._fut.done()
 
+    def expire(self) -> None:
+        if not self._fut.done():
+            self._fut.set_exception(TimeoutError())
+
     async def wait(self, timeout: float | None) -> Any:
         fut = self._fut
-        if timeout is None or fut.done():
-            return await fut
-        # A bare timer handle is far cheaper than a cancel scope on the hot path.
-        handle = self._loop.call_later(timeout, _expire, fut)
-        try:
-            return await fut
-        finally:
-            handle.cancel()
-
-
-def _expire(fut: asyncio.Future[Any]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError())
+        if timeout is not None and not fut.done():
+            aio_deadlines(self._loop).add(timeout, self)
+        return await fut
 
 
 class _AioBackend:
@@ -189,21 +184,20 @@ class _TrioReply:
     def done(self) -> bool:
         return self._value is not _PENDING or self._error is not None
 
+    def expire(self) -> None:
+        self.fail(TimeoutError())
+
     def _abort(self, _: Any) -> Any:
         self._task = None
         return _trio_lowlevel().Abort.SUCCEEDED
 
     async def wait(self, timeout: float | None) -> Any:
         if not self.done:
-            import trio
-
-            lowlevel = trio.lowlevel
-            deadline = math.inf if timeout is None else trio.current_time() + timeout
-            with trio.CancelScope(deadline=deadline) as scope:
-                self._task = lowlevel.current_task()
-                await lowlevel.wait_task_rescheduled(self._abort)
-            if scope.cancelled_caught and not self.done:
-                raise TimeoutError
+            lowlevel = _trio_lowlevel()
+            if timeout is not None:
+                trio_deadlines().add(timeout, self)
+            self._task = lowlevel.current_task()
+            await lowlevel.wait_task_rescheduled(self._abort)
         if self._error is not None:
             raise self._error
         return self._value
