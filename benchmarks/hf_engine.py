@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -44,6 +45,7 @@ from typing import Any
 import anyio
 import httpx
 import psutil
+import structlog
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -343,7 +345,7 @@ def print_table(rows: list[Throughput], max_tokens: int) -> None:
             f"{r.tokens_per_s:.1f}",
             ttft,
         )
-    Console().print(table)
+    Console(width=120).print(table)
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -381,6 +383,8 @@ def main() -> None:
         "--ttft-requests", type=int, default=8, help="sequential served requests per mode"
     )
     args = parser.parse_args()
+    # The serving tree logs every request-stream actor's start and exit at debug level.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     result = anyio.run(main_async, args, backend=args.backend)

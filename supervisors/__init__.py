@@ -18,6 +18,16 @@ from supervisors._errors import (
     SupervisorExited,
 )
 from supervisors._events import REGISTRY as METRICS_REGISTRY
+from supervisors._lifecycle import (
+    Budgets,
+    DrainWorker,
+    Lifecycle,
+    LifecycleError,
+    Release,
+    Resume,
+    UndrainWorker,
+    WorkerStates,
+)
 from supervisors._open import open_supervisor
 from supervisors._spec import (
     AutoShutdown,
@@ -35,6 +45,7 @@ __all__ = [
     "METRICS_REGISTRY",
     "AutoShutdown",
     "Backoff",
+    "Budgets",
     "ChildAlreadyPresent",
     "ChildAlreadyStarted",
     "ChildCount",
@@ -44,9 +55,14 @@ __all__ = [
     "ChildRunning",
     "ChildSpec",
     "ChildStartFailed",
+    "DrainWorker",
     "InvalidChildSpec",
     "InvalidFlags",
+    "Lifecycle",
+    "LifecycleError",
+    "Release",
     "Restart",
+    "Resume",
     "Shutdown",
     "Strategy",
     "Supervisor",
@@ -55,6 +71,8 @@ __all__ = [
     "SupervisorFlags",
     "SupervisorRef",
     "SupervisorStatistics",
+    "UndrainWorker",
+    "WorkerStates",
     "open_supervisor",
     "process_child",
 ]

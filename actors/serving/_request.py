@@ -167,7 +167,7 @@ class RequestStream(Actor):
                     error=error.code,
                     generated=len(generated),
                 )
-                request = _continuation(original, generated)
+                request = _continuation(original, generated, opts.migration_limit - migrations_left)
 
     async def _route(self, route: Route, deadline: float, *, retrying: bool) -> Routed:
         """Ask the router; while migrating, wait (within the deadline) for a worker of the role to
@@ -276,8 +276,13 @@ def _refuse_migration(request: PreprocessedRequest) -> str | None:
     return None
 
 
-def _continuation(original: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
-    """The request that continues ``original`` after ``generated`` tokens elsewhere."""
+def _continuation(
+    original: PreprocessedRequest, generated: list[int], attempt: int
+) -> PreprocessedRequest:
+    """The request that continues ``original`` after ``generated`` tokens elsewhere.
+
+    Each attempt gets its own engine request id: a migration may land on the same worker while
+    the aborted attempt is still being torn down there."""
     stop = original.stop_conditions
     done = len(generated)
     conditions = StopConditions(
@@ -289,6 +294,7 @@ def _continuation(original: PreprocessedRequest, generated: list[int]) -> Prepro
     )
     return msgspec.structs.replace(
         original,
+        rid=f"{original.rid}-m{attempt}",
         token_ids=[*original.token_ids, *generated],
         stop_conditions=conditions,
         bootstrap_info=None,

@@ -123,6 +123,10 @@ class HFTransfer:
             received = await receive(stage, True)
         except RequestError:
             raise  # the pages now belong to the transfer service
+        except ValueError as exc:
+            # Refused before anything was sent (a room already being received): still ours.
+            stage.free()
+            raise KVTransferError(f"{type(exc).__name__}: {exc}") from exc
         except Exception as exc:
             raise KVTransferError(f"{type(exc).__name__}: {exc}") from exc
         loaded = False

