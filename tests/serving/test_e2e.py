@@ -103,28 +103,26 @@ async def test_openai_client_completions_and_chat() -> None:
 
 async def test_sigkill_decode_worker_mid_stream_every_stream_completes_unchanged() -> None:
     prompts = [f"request {i}: tell me something long" for i in range(32)]
-    async with (
-        serving_tree(
-            mode="aggregated",
-            decode_workers=2,
-            router="round_robin",
-            engine_args={"timing": {"speedup": 1.0}},
-        ) as tree,
-        httpx.AsyncClient(base_url=tree.url) as client,
-    ):
-        baseline: dict[int, dict[str, Any]] = {}
+    async with serving_tree(
+        mode="aggregated",
+        decode_workers=2,
+        router="round_robin",
+        engine_args={"timing": {"speedup": 1.0}},
+    ) as tree:
 
-        async def run(i: int, into: dict[int, dict[str, Any]]) -> None:
+        async def run(client: httpx.AsyncClient, i: int, into: dict[int, dict[str, Any]]) -> None:
             into[i] = await _stream_text(client, prompts[i], 120)
 
-        async with anyio.create_task_group() as tg:
+        # A fresh client per phase: no keep-alive connection is reused across them.
+        baseline: dict[int, dict[str, Any]] = {}
+        async with httpx.AsyncClient(base_url=tree.url) as client, anyio.create_task_group() as tg:
             for i in range(32):
-                tg.start_soon(run, i, baseline)
+                tg.start_soon(run, client, i, baseline)
         victim = await tree.engine_stats("decode-0")
         faulted: dict[int, dict[str, Any]] = {}
-        async with anyio.create_task_group() as tg:
+        async with httpx.AsyncClient(base_url=tree.url) as client, anyio.create_task_group() as tg:
             for i in range(32):
-                tg.start_soon(run, i, faulted)
+                tg.start_soon(run, client, i, faulted)
             with anyio.fail_after(30):
                 while (await tree.engine_stats("decode-0")).running < 4:
                     await anyio.sleep(0.01)
