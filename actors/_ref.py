@@ -252,7 +252,11 @@ class ActorRef(Generic[R]):
 
     @property
     def is_running(self) -> bool:
-        return self._cell.state is CellState.RUNNING
+        """Running, and not already known to be dying."""
+        cell = self._cell
+        return cell.state is CellState.RUNNING and not (
+            cell.runtime is not None and cell.runtime.dying
+        )
 
     def __repr__(self) -> str:
         return f"<ActorRef {self._cell.name} {self._cell.state.value}>"

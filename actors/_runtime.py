@@ -70,6 +70,9 @@ class Incarnation:
         self.kill_reason: ExitReason | None = None
         self.exit_reason: ExitReason | None = None
         self._pumps = 0
+        # Set by a process actor whose process is gone while it tells a crash from a clean exit:
+        # it still runs, but must not be picked for new work.
+        self.dying = False
         self._pumps_idle: anyio.Event | None = None
         self.channels: set[StreamChannel] = set()
         self.crashed_reply: Reply | None = None  # the ask whose handler crashed the actor

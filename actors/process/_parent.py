@@ -248,6 +248,7 @@ class ProcessActor(Actor):
         try:
             await anyio.wait_readable(self._pidfd)
             self._exited.set()
+            self._runtime.dying = True
             self.wire.drain()  # frames it sent before exiting (START_FAILED, EXIT) come first
             if self._stopping:
                 return
