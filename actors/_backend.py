@@ -21,6 +21,7 @@ from actors._timeouts import aio_deadlines, trio_deadlines
 __all__ = ["Backend", "Parking", "Reply", "backend"]
 
 _PENDING: Any = object()
+_ABANDONED = TimeoutError("the waiter was cancelled")
 
 
 class Parking(Protocol):
@@ -189,6 +190,9 @@ class _TrioReply:
 
     def _abort(self, _: Any) -> Any:
         self._task = None
+        # The waiter is gone (cancelled): done, so a pending deadline does not outlive it.
+        if not self.done:
+            self._error = _ABANDONED
         return _trio_lowlevel().Abort.SUCCEEDED
 
     async def wait(self, timeout: float | None) -> Any:

@@ -6,8 +6,6 @@ loads when a scenario runs.
 
 from __future__ import annotations
 
-import logging
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -74,14 +72,10 @@ def run_scenarios(
     log_level: Annotated[str, typer.Option(help="Log level of the serving tree.")] = "error",
 ) -> None:
     """Run scenarios (engines in child processes, HTTP on 127.0.0.1); exit 1 on a failure."""
-    import structlog
-
     from scenarios._runner import run
+    from supervisors._cli import configure_logging
 
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, log_level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
+    configure_logging(log_level)
     try:
         scenarios = [s for name in names for s in _resolve(name)]
     except (KeyError, ValueError, OSError) as exc:

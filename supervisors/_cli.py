@@ -32,10 +32,21 @@ def _root() -> None:
     """actorserve: run, tree."""
 
 
+class _Stderr:
+    """Whatever ``sys.stderr`` is when a line is written (a test runner may swap it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str) -> None:
+    """structlog at ``level``, to standard error."""
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
     )
 
 

@@ -42,7 +42,10 @@ def emit(supervisor: str, child: str, event: str, **fields: Any) -> None:
         log = _log.warning if fields.get("abnormal") else _log.debug
     elif event in ("escalated", "start_failed"):
         log = _log.warning
-    log(event, supervisor=supervisor, child=child, **fields)
+    try:
+        log(event, supervisor=supervisor, child=child, **fields)
+    except (OSError, ValueError):
+        pass  # a closed or broken log stream must never take a supervisor down
 
 
 def set_backoff(supervisor: str, child: str, seconds: float) -> None:
