@@ -152,35 +152,6 @@ async def wait_until(predicate: Any) -> None:
             await anyio.sleep(0.01)
 
 
-def _is_runner_call(task: object) -> bool:
-    get_coro = getattr(task, "get_coro", None)
-    coro = get_coro() if get_coro is not None else None
-    return getattr(coro, "__qualname__", "").endswith("_call_in_runner_task")
-
-
-@pytest.fixture
-async def _no_leaked_tasks() -> AsyncIterator[None]:
-    """tests/conftest.py's task-leak check, minus anyio's own runner tasks (on asyncio the
-    root check counts the teardown step's ``_call_in_runner_task`` wrapper as a leak in every
-    async test). Drop this override once the root fixture skips those tasks."""
-    from tests.conftest import _live_tasks, _task_name
-
-    before = _live_tasks()
-    yield
-    current = anyio.get_current_task()
-    with anyio.move_on_after(1.0):
-        while True:
-            leaked = {
-                t
-                for t in _live_tasks() - before
-                if id(t) != current.id and _task_name(t) != current.name and not _is_runner_call(t)
-            }
-            if not leaked:
-                break
-            await anyio.sleep(0.01)
-    assert not leaked, f"leaked tasks: {sorted(_task_name(t) for t in leaked)}"
-
-
 # ---- model location and KV layout (no engine) --------------------------------------------------
 def test_find_smollm2_cached_folder(ref: Reference) -> None:
     files = find_smollm2(convert=False)
