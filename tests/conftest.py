@@ -12,11 +12,15 @@ import pytest
 import structlog
 
 from scenarios._leaks import live_tasks, socket_fds, task_name
+from tests.helpers.timetrap import _timetrap
 
 # Keep the suite's output readable: supervisors log every child start at debug.
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 pytest_plugins = ["tests.helpers.fixtures"]
+
+# Every test has a watchdog: a hang fails its test instead of stalling the whole run.
+__all__ = ["_timetrap"]
 
 
 @pytest.fixture(params=["asyncio", "trio"])
