@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,14 @@ import httpx
 import msgspec
 import psutil
 
+from actors._net import free_port
 from actors.engines import MockEngine, MockEngineConfig, TimingModel
 from benchmarks._common import percentile, report
 from protocols import PreprocessedRequest, SamplingOptions, StopConditions
+from supervisors._root import wait_healthy
 
 PROMPT = "benchmark the serving path " * 4
 MAX_TOKENS = 32
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # Chunk timing uses a steady engine (one token per ~60 us step) so that every step is one output
@@ -171,18 +166,6 @@ def start_root(port: int, mode: str, timing: TimingModel) -> subprocess.Popen[by
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-async def wait_ready(port: int) -> None:
-    async with httpx.AsyncClient() as client:
-        with anyio.fail_after(120):
-            while True:
-                try:
-                    if (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                await anyio.sleep(0.2)
-
-
 async def steady_gaps(port: int, n: int) -> list[float]:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
         gaps: list[float] = []
@@ -195,18 +178,18 @@ async def main_async(quick: bool, mode: str) -> dict[str, Any]:
     n = 100 if quick else 1000
     direct_ttft, _ = await engine_direct(n, TimingModel(instant=True))
     _, direct_chunk = await engine_direct(n // 4, STEADY)
-    port = _free_port()
+    port = free_port()
     root = start_root(port, mode, TimingModel(instant=True))
     try:
-        await wait_ready(port)
+        await wait_healthy(port)
         result = await served(port, root.pid, quick)
     finally:
         root.terminate()
         await anyio.to_thread.run_sync(root.wait, 60)
-    port = _free_port()
+    port = free_port()
     root = start_root(port, mode, STEADY)
     try:
-        await wait_ready(port)
+        await wait_healthy(port)
         result["gaps"] = await steady_gaps(port, n // 4)
     finally:
         root.terminate()

@@ -23,7 +23,7 @@ from supervisors._spec import ChildSpec, SupervisorFlags
 if TYPE_CHECKING:
     from actors.serving import Serving
 
-__all__ = ["RootOptions", "run_root", "serving_children"]
+__all__ = ["RootOptions", "run_root", "serving_children", "wait_healthy"]
 
 _log = structlog.get_logger("actorserve.root")
 LIFECYCLE = "lifecycle"
@@ -89,6 +89,21 @@ async def run_root(
             await shutdown_serving(serving, options.budgets)
             tg.cancel_scope.cancel()
     watchdog.cancel()
+
+
+async def wait_healthy(port: int, timeout: float = 120.0, host: str = "127.0.0.1") -> None:
+    """Return once a root serving on ``host:port`` answers ``/health`` with 200."""
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        with anyio.fail_after(timeout):
+            while True:
+                try:
+                    if (await client.get(f"http://{host}:{port}/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await anyio.sleep(0.1)
 
 
 async def _watch_signals(stop: anyio.Event) -> None:

@@ -30,14 +30,13 @@ import anyio
 import msgspec
 import sniffio
 
+from actors._net import LOOPBACK, free_port
 from actors.engines._sglang_config import (
-    LOOPBACK,
     Role,
     SGLangAPI,
     build_capacity,
     check_role_args,
     force_server_args,
-    free_port,
     kv_events_config,
     kv_events_endpoints,
     load_sglang_api,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from actors._net import LOOPBACK, free_port
 from protocols.engine import BootstrapInfo, Capacity, PreprocessedRequest
 from protocols.errors import InvalidRequest
 
@@ -28,8 +29,6 @@ __all__ = [
 
 Role = Literal["aggregated", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("aggregated", "prefill", "decode")
-
-LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -82,13 +81,6 @@ def load_sglang_api() -> SGLangAPI:
         kv_events_config_fields=frozenset(KVEventsConfig.model_fields),
         version=str(getattr(sglang, "__version__", "unknown")),
     )
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """An ephemeral port that was free a moment ago (race-prone, as Dynamo's choice is)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _ports_free(base: int, count: int) -> bool:

@@ -15,10 +15,12 @@ import httpx
 import psutil
 import pytest
 
+from actors._net import free_port
 from protocols import control
 from protocols.engine import MemoryTag
 from supervisors._control_api import control_app
 from supervisors._lifecycle import DrainWorker, LifecycleError, Release, Resume, WorkerStates
+from supervisors._root import wait_healthy
 from tests.helpers.serving import serving_tree
 from tests.serving.test_e2e import _stream_text
 
@@ -205,31 +207,11 @@ def _start_root(port: int, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-async def _wait_http(port: int) -> None:
-    async with httpx.AsyncClient() as client:
-        with anyio.fail_after(60):
-            while True:
-                try:
-                    if (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                await anyio.sleep(0.1)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def test_sigterm_under_load_drains_every_request_and_exits_0() -> None:
-    port = _free_port()
+    port = free_port()
     root = _start_root(port)
     try:
-        await _wait_http(port)
+        await wait_healthy(port, 60)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             results: list[dict[str, Any]] = []
             in_flight: list[int] = []
@@ -254,10 +236,10 @@ async def test_sigterm_under_load_drains_every_request_and_exits_0() -> None:
 
 
 async def test_second_signal_exits_at_once_with_its_own_code() -> None:
-    port = _free_port()
+    port = free_port()
     root = _start_root(port, "--drain-budget", "60")
     try:
-        await _wait_http(port)
+        await wait_healthy(port, 60)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
 
             async def doomed_load() -> None:
