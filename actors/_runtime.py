@@ -178,20 +178,23 @@ class Incarnation:
                     error = _failure(exc)
                     if error is None:
                         raise
-                    reason = ExitReason.from_error(unwrap_error(error))
+                    cause = unwrap_error(error)
+                    reason = ExitReason.from_error(cause)
+                    if not bound:
+                        # A task of the actor crashed while started() ran: a start failure.
+                        self.ready.fail(cause)
                     if bound and not stopping_ran:
                         await self._stopping_after_crash(reason)
             if self.kill_scope.cancelled_caught:
                 reason = self.kill_reason or ExitReason.killed()
-                if not bound:
-                    self.ready.fail(ActorCrashed(self.ref.name, reason))
         except BaseException:
             # Cancelled from outside (the owner is going away).
             reason = self.kill_reason or OWNER_GONE
-            if not bound:
-                self.ready.fail(ActorCrashed(self.ref.name, reason))
             raise
         finally:
+            if not bound:
+                # Whatever ended it before it was bound, its starter is never left waiting.
+                self.ready.fail(ActorCrashed(self.ref.name, reason))
             self.exit_reason = reason
             for monitor_id, watched in self.watching.items():
                 watched.listeners.pop(monitor_id, None)

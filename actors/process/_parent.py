@@ -37,6 +37,7 @@ __all__ = ["ProcessActor", "ProcessDied", "ProcessOptions"]
 
 _ids = itertools.count(1)
 _LAST_FRAMES_S = 0.02
+_START_ERROR_S = 0.25
 
 
 @attrs.frozen
@@ -253,13 +254,16 @@ class ProcessActor(Actor):
             if self._stopping:
                 return
             if self._remote_exit is None:
-                # Fail every pending call now (a SIGKILL sends no EXIT), then give a last EXIT
-                # still in flight through ZMQ's I/O thread a moment to tell a clean stop.
+                # Fail every pending call now (a SIGKILL sends no EXIT), then give a last frame
+                # still in flight through ZMQ's I/O thread (EXIT, or START_FAILED while starting)
+                # a moment to tell a clean stop or the start error.
                 cause = self._kill_cause
                 died = ProcessDied(self.ref.name, None, cause)
                 self._fail_calls(ActorCrashed(self.ref.name, ExitReason.from_error(died)))
-                with anyio.move_on_after(_LAST_FRAMES_S):
-                    while self._remote_exit is None and self._ready_done():
+                starting = not self._ready_done()
+                # A start error is worth a longer wait: nothing is on a latency path then.
+                with anyio.move_on_after(_START_ERROR_S if starting else _LAST_FRAMES_S):
+                    while self._remote_exit is None and not (starting and self._ready_done()):
                         await anyio.sleep(0.001)
                         self.wire.drain()
             remote = self._remote_exit
