@@ -137,6 +137,24 @@ async def test_start_function_raising_is_a_start_failure() -> None:
     assert isinstance(info.value.cause, Boom)
 
 
+class _CrashesInBackgroundWhileStarting(Actor):
+    """started() waits for something a background task of the actor never delivers: it raises."""
+
+    async def started(self) -> None:
+        async def fail() -> None:
+            raise Boom("background task of a starting actor")
+
+        self.start_soon(fail)
+        await anyio.sleep_forever()
+
+
+async def test_a_task_crashing_while_the_actor_starts_is_a_start_failure() -> None:
+    with pytest.raises(ChildStartFailed) as info:
+        async with open_supervisor([ChildSpec("a", _CrashesInBackgroundWhileStarting)]):
+            pytest.fail("must not start")
+    assert isinstance(info.value.cause, Boom)
+
+
 async def test_start_child_failure_is_returned_and_not_kept() -> None:
     async with open_supervisor([worker_spec("a")]) as sup:
         with pytest.raises(ChildStartFailed) as info:
