@@ -1,0 +1,149 @@
+"""The SGLang backend's configuration: server args, KV events endpoints, sampling parameters.
+
+See tests/engines/_sglang_fakes.py for how the fakes follow the record.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actors.engines._sglang import SGLangEngine
+from actors.engines._sglang_config import (
+    force_server_args,
+    kv_events_config,
+    kv_events_endpoints,
+    sampling_params,
+)
+from protocols.engine import (
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from protocols.errors import (
+    InvalidRequest,
+)
+from tests.engines._sglang_fakes import (
+    RECORD,
+    FakeSGLang,
+    rebuilt_signature,
+)
+
+# ------------------------------------------------------------------------------------------
+# Configuration
+# ------------------------------------------------------------------------------------------
+
+
+def test_kv_events_config_binds_loopback_only() -> None:
+    cfg = json.loads(
+        kv_events_config('{"publisher": "zmq", "endpoint": "tcp://*:5557"}', 2, False) or ""
+    )
+    assert cfg == {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "bind": True}
+    assert kv_events_endpoints(json.dumps(cfg), 2) == (
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5558",
+    )
+    cfg = json.loads(
+        kv_events_config(
+            {
+                "publisher": "zmq",
+                "endpoint": "tcp://0.0.0.0:6000",
+                "replay_endpoint": "tcp://*:6100",
+            },
+            1,
+            False,
+        )
+        or ""
+    )
+    assert (cfg["endpoint"], cfg["replay_endpoint"]) == (
+        "tcp://127.0.0.1:6000",
+        "tcp://127.0.0.1:6100",
+    )
+    replay = kv_events_endpoints(json.dumps(cfg), 2, "replay_endpoint")
+    assert replay == ("tcp://127.0.0.1:6100", "tcp://127.0.0.1:6101")
+    assert kv_events_endpoints(json.dumps({"endpoint": "ipc:///x"}), 1, "replay_endpoint") == ()
+    ipc = kv_events_config({"publisher": "zmq", "endpoint": "ipc:///tmp/kv"}, 1, False)
+    assert kv_events_endpoints(ipc, 1) == ("ipc:///tmp/kv",)
+    with pytest.raises(ValueError, match="per DP rank"):
+        kv_events_config({"publisher": "zmq", "endpoint": "ipc:///tmp/kv"}, 2, False)
+    with pytest.raises(ValueError, match="only tcp"):
+        kv_events_config({"publisher": "zmq", "endpoint": "inproc://kv"}, 1, False)
+    assert kv_events_config(None, 1, False) is None
+    assert kv_events_config('{"publisher": "null"}', 1, True) is None
+    made = json.loads(kv_events_config(None, 1, True) or "")
+    assert made["endpoint"].startswith("tcp://127.0.0.1:") and made["bind"] is True
+
+
+def test_server_args_are_checked(fake: FakeSGLang) -> None:
+    with pytest.raises(ValueError, match="contradicts"):
+        SGLangEngine({"model_path": "m", "disaggregation_mode": "decode"}, role="prefill")
+    with pytest.raises(ValueError, match="nixl"):
+        SGLangEngine(
+            {"model_path": "m", "disaggregation_transfer_backend": "mooncake"}, role="decode"
+        )
+    with pytest.raises(ValueError, match="role"):
+        SGLangEngine({"model_path": "m"}, role="mixed")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="token ids"):
+        SGLangEngine({"model_path": "m", "skip_tokenizer_init": False})
+    api = fake.api()
+    with pytest.raises(ValueError, match="unknown SGLang"):
+        force_server_args(
+            {"model_path": "m", "no_such_arg": 1},
+            role="aggregated",
+            api=api,
+            bootstrap_port=None,
+            memory_release=False,
+            kv_events=None,
+        )
+    out = force_server_args(
+        {"model_path": "m", "disaggregation_bootstrap_port": 7777},
+        role="decode",
+        api=api,
+        bootstrap_port=7777,
+        memory_release=False,
+        kv_events=None,
+    )
+    assert (
+        out["disaggregation_bootstrap_port"] == 7777
+        and out["disaggregation_transfer_backend"] == "nixl"
+    )
+
+
+def test_sampling_params_mapping() -> None:
+    req = PreprocessedRequest(
+        rid="s",
+        token_ids=[1],
+        stop_conditions=StopConditions(
+            max_tokens=5, min_tokens=2, stop_token_ids=[9], ignore_eos=True, stop=["x"]
+        ),
+        sampling_options=SamplingOptions(
+            top_p=0.9, min_p=0.1, repetition_penalty=1.1, guided_decoding={"choice": ["a", "b.c"]}
+        ),
+    )
+    sp = sampling_params(req)
+    assert sp == {
+        "max_new_tokens": 5,
+        "min_new_tokens": 2,
+        "stop_token_ids": [9],
+        "ignore_eos": True,
+        "top_p": 0.9,
+        "min_p": 0.1,
+        "repetition_penalty": 1.1,
+        "regex": r"(a|b\.c)",
+    }
+    rebuilt_signature(RECORD["classes"]["SamplingParams"]["params"], keyword_only=True).bind(**sp)
+    guided = sampling_params(
+        PreprocessedRequest(
+            rid="g",
+            token_ids=[1],
+            sampling_options=SamplingOptions(
+                guided_decoding={"json": {"type": "object"}, "grammar": "g"}
+            ),
+        )
+    )
+    assert guided == {"json_schema": '{"type": "object"}', "ebnf": "g"}
+    with pytest.raises(InvalidRequest):
+        sampling_params(
+            PreprocessedRequest(rid="n", token_ids=[1], sampling_options=SamplingOptions(n=2))
+        )
