@@ -68,10 +68,10 @@ class StreamChannel:
         self._buffer.append(item)
         self._consumer.unpark()
 
-    def push_nowait(self, item: Any) -> None:
+    def push_many(self, items: list[Any]) -> None:
         """Append without waiting (a remote producer already respects the credit window)."""
         if not self.cancelled:
-            self._buffer.append(item)
+            self._buffer.extend(items)
             self._consumer.unpark()
 
     def finish(self) -> None:
