@@ -205,6 +205,8 @@ def decode_error(data: bytes | memoryview) -> BaseException:
     return RemoteError(name, message)
 
 
+register_error(CodecError, "codec.CodecError")  # a message the other side could not encode
+
 for _cls in (
     _engine.StopConditions,
     _engine.SamplingOptions,
