@@ -116,12 +116,12 @@ def decode(data: bytes | memoryview) -> Any:
 
 def encode_many(messages: list[Any]) -> bytes:
     """A batch of messages as one blob (see the module docstring)."""
-    tag = _tag_of.get(type(messages[0])) if messages else None
-    if all(_tag_of.get(type(m)) == tag for m in messages):
-        if tag is None:
+    types = set(map(type, messages))
+    tags = {_tag_of.get(cls) for cls in types}
+    if len(tags) <= 1:
+        tag = tags.pop() if tags else None
+        if tag is None or issubclass(_by_tag[tag], msgspec.Struct | enum.Enum):
             body: Any = messages
-        elif issubclass(_by_tag[tag], msgspec.Struct | enum.Enum):
-            body = messages
         else:
             body = [_converter.unstructure(m) for m in messages]
         try:

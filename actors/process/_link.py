@@ -18,6 +18,7 @@ writes to a wake-up socket every time).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 from collections import deque
@@ -75,6 +76,7 @@ class Link:
         # child's connection may not be attached yet): sent in order, retried on a timer.
         self._backlog: deque[bytes] = deque()
         self._retry: Callable[[], None] = _nothing
+        self._files: list[str] = []  # ipc socket files we bound (ZMQ leaves them behind)
         self._soon: list[Callable[[], None]] = []
         self._run_soon_later: Callable[[], None] = _nothing
         self._before_close: Callable[[], None] = _nothing
@@ -83,7 +85,9 @@ class Link:
 
     def bind(self, rx_endpoint: str, tx_endpoint: str) -> tuple[str, str]:
         """Bind both sockets; the resolved endpoints (ports of ``tcp://127.0.0.1:0``)."""
-        return _bind(self._rx, rx_endpoint), _bind(self._tx, tx_endpoint)
+        endpoints = _bind(self._rx, rx_endpoint), _bind(self._tx, tx_endpoint)
+        self._files = [e.removeprefix("ipc://") for e in endpoints if e.startswith("ipc://")]
+        return endpoints
 
     def connect(self, rx_endpoint: str, tx_endpoint: str) -> None:
         """Connect to a bound peer: ``rx_endpoint`` is where it sends, ``tx_endpoint`` where it
@@ -262,6 +266,9 @@ class Link:
             self._before_close()
             self._rx.close(linger=0)
             self._tx.close(linger=int(linger * 1000))
+            for path in self._files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
 def _nothing() -> None:
