@@ -1,12 +1,15 @@
-"""The wire format of process actors: codec batches and message headers (no processes)."""
+"""The wire of process actors: codec batches, message headers, the link (no processes)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import anyio
 import pytest
 
 from actors.process import _frames as f
+from actors.process._link import Link, LinkBroken, new_endpoints
 from protocols import codec
 from protocols.control import Abort, Pause  # attrs classes
 from protocols.engine import EngineOutput, PauseMode, Usage
@@ -67,3 +70,30 @@ def test_message_header() -> None:
     kind, corr, body = f.parse(data)
     assert (kind, corr, bytes(body)) == (f.ASK, 2**40 + 5, b"body")
     assert f.parse_count(memoryview(f.count(256))) == 256
+
+
+async def test_link_keeps_what_is_sent_before_the_peer_connects() -> None:
+    up: list[bytes] = []
+    down: list[bytes] = []
+    parent, child = Link(up.append), Link(down.append)
+    parent_rx, parent_tx = parent.bind(*new_endpoints("ipc", f"test-link-{os.getpid()}"))
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(parent.run)
+            tg.start_soon(child.run)
+            for i in range(5):
+                parent.send(bytes([i]))  # nobody has connected: ZMQ refuses, the link keeps it
+            child.connect(parent_tx, parent_rx)
+            child.send(b"up")
+            with anyio.fail_after(10):
+                while len(down) < 5 or not up:
+                    await anyio.sleep(0.005)
+            parent.close()  # run() returns once its link is closed
+            child.close()
+    finally:
+        parent.close()
+        child.close()
+    assert down == [bytes([i]) for i in range(5)]
+    assert up == [b"up"]
+    with pytest.raises(LinkBroken):
+        parent.send(b"late")
