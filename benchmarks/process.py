@@ -198,7 +198,7 @@ async def _kill_and_restart(ref: ActorRef[Any]) -> tuple[float, float]:
 
 async def measure(quick: bool) -> dict[str, float]:
     n_ask = 3_000 if quick else 30_000
-    n_chunks = 20_000 if quick else 200_000
+    n_chunks = 100_000 if quick else 1_000_000
     n_kill = 10 if quick else 50
     options = ProcessOptions(heartbeat_interval=0.5, heartbeat_timeout=10.0)
     flags = SupervisorFlags(intensity=10**6, period=1)
