@@ -9,7 +9,7 @@ with its terminal item or a typed error, never silently.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -68,10 +68,10 @@ class StreamChannel:
         self._buffer.append(item)
         self._consumer.unpark()
 
-    def push_nowait(self, item: Any) -> None:
+    def push_many(self, items: list[Any]) -> None:
         """Append without waiting (a remote producer already respects the credit window)."""
         if not self.cancelled:
-            self._buffer.append(item)
+            self._buffer.extend(items)
             self._consumer.unpark()
 
     def finish(self) -> None:
@@ -96,9 +96,11 @@ class StreamChannel:
                 raise StopAsyncIteration
             await self._consumer.park()
         item = buffer.popleft()
-        self._producer.unpark()
-        if self.hooks is not None:
-            self.hooks.consumed()
+        hooks = self.hooks
+        if hooks is None:
+            self._producer.unpark()
+        else:
+            hooks.consumed()  # the producer is in another process
         return item
 
     def cancel(self) -> None:
@@ -133,11 +135,11 @@ class ReplyStream(Generic[T]):
     def __aiter__(self) -> AsyncIterator[T]:
         return self
 
-    async def __anext__(self) -> T:
-        # No bookkeeping on errors: a consumer cancelled here must still cancel the producer
-        # when it closes the stream (closing an ended stream is a no-op).
-        item: T = await self._channel.receive()
-        return item
+    def __anext__(self) -> Awaitable[T]:
+        # The channel's coroutine itself (one coroutine per item, not two). No bookkeeping on
+        # errors: a consumer cancelled here must still cancel the producer when it closes the
+        # stream (closing an ended stream is a no-op).
+        return self._channel.receive()
 
     async def receive(self) -> T:
         """The next reply (``StopAsyncIteration`` at the end)."""

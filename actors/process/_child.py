@@ -16,7 +16,7 @@ import anyio
 import msgspec
 
 from actors._backend import backend
-from actors._errors import ActorCrashed
+from actors._errors import ActorCrashed, StreamCancelled
 from actors._exit import ExitReason
 from actors._mailbox import ASK_ABORTABLE, STREAM, TELL
 from actors._ref import ActorRef, Cell, CellState
@@ -58,14 +58,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def main(endpoint: str, factory: str, args: bytes, options: bytes) -> None:
-    """Process entry point (called by multiprocessing with plain strings and bytes only)."""
+def main(endpoints: list[str], factory: str, args: bytes, options: bytes) -> None:
+    """Process entry point (called by the forkserver with plain data only). ``endpoints``: where
+    the parent receives, where it sends."""
     _die_with_parent()
     opts = msgspec.msgpack.decode(options, type=ChildOptions)
     if opts.root_pid and os.getppid() == 1:
         os._exit(1)
     try:
-        anyio.run(_serve, endpoint, factory, args, opts, backend=opts.backend)
+        anyio.run(_serve, endpoints, factory, args, opts, backend=opts.backend)
     finally:
         # Terminating the context flushes the lingering last frames (START_FAILED, EXIT).
         context().term()
@@ -102,9 +103,9 @@ class _RemoteReply:
         try:
             body = codec.encode(value)
         except codec.CodecError as exc:
-            self._link.send([f.header(f.ERROR, self._corr), codec.encode_error(exc)])
+            self._link.send(f.message(f.ERROR, self._corr, codec.encode_error(exc)))
             return
-        self._link.send([f.header(f.REPLY, self._corr), body])
+        self._link.send(f.header(f.REPLY, self._corr) + body)
 
     def fail(self, error: BaseException) -> None:
         if isinstance(error, ActorCrashed):
@@ -112,17 +113,18 @@ class _RemoteReply:
         if not self._done:
             self._done = True
             self._pending.pop(self._corr, None)
-            self._link.send([f.header(f.ERROR, self._corr), codec.encode_error(error)])
+            self._link.send(f.message(f.ERROR, self._corr, codec.encode_error(error)))
 
     async def wait(self, timeout: float | None) -> Any:  # never awaited in the child
         raise NotImplementedError
 
 
 class _RemoteChannel(StreamChannel):
-    """The producer end of a stream whose consumer is in the parent: items go out as frames,
-    at most ``credit`` ahead of what the consumer has taken."""
+    """The producer end of a stream whose consumer is in the parent: at most ``credit`` items
+    ahead of what the consumer has taken. Items go out in batches: those produced before the
+    producer yields (to wait for credit, or for its own next item) make one message."""
 
-    __slots__ = ("_corr", "_credit", "_link", "_servers")
+    __slots__ = ("_batch", "_corr", "_credit", "_link", "_servers")
 
     def __init__(
         self, link: Link, corr: int, credit: int, servers: dict[int, _RemoteChannel]
@@ -132,26 +134,44 @@ class _RemoteChannel(StreamChannel):
         self._corr = corr
         self._credit = credit
         self._servers = servers
+        self._batch: list[Any] = []
 
     async def send(self, item: Any) -> None:
         while self._credit <= 0 and not self.cancelled:
             await self._producer.park()
         if self.cancelled:
-            from actors._errors import StreamCancelled
-
             raise StreamCancelled("the consumer closed the stream")
         self._credit -= 1
-        self._link.send([f.header(f.ITEM, self._corr), codec.encode(item)])
+        batch = self._batch
+        batch.append(item)
+        if len(batch) == 1:
+            self._link.call_soon(self._flush)
 
     def add_credit(self, n: int) -> None:
         self._credit += n
         self._producer.unpark()
 
+    def _flush(self) -> None:
+        if self._batch and not self.finished and not self._send_batch(f.ITEMS):
+            self.cancel()  # an item could not be encoded: the consumer has the error
+
+    def _send_batch(self, kind: int) -> bool:
+        """Send the batch as ``kind``; an item that cannot be encoded fails the stream with a
+        ``CodecError`` instead."""
+        batch, self._batch = self._batch, []
+        try:
+            body = codec.encode_many(batch) if batch else b""
+        except codec.CodecError as exc:
+            self._link.send(f.message(f.ERROR, self._corr, codec.encode_error(exc)))
+            return False
+        self._link.send(f.header(kind, self._corr) + body)
+        return True
+
     def finish(self) -> None:
         if not self.finished:
             self.finished = True
             self._servers.pop(self._corr, None)
-            self._link.send([f.header(f.END, self._corr), b""])
+            self._send_batch(f.END)  # the last batch rides on the end
 
     def fail(self, error: BaseException) -> None:
         if isinstance(error, ActorCrashed):
@@ -159,37 +179,38 @@ class _RemoteChannel(StreamChannel):
         if not self.finished:
             self.finished = True
             self._servers.pop(self._corr, None)
-            self._link.send([f.header(f.ERROR, self._corr), codec.encode_error(error)])
+            if not self._batch or self._send_batch(f.ITEMS):
+                self._link.send(f.message(f.ERROR, self._corr, codec.encode_error(error)))
 
     def cancel(self) -> None:
         self._servers.pop(self._corr, None)
+        self._batch = []
         super().cancel()
 
 
 class _Server:
     def __init__(self, inc: Incarnation) -> None:
         self.inc = inc
-        self.link = Link(self.on_frames)
+        self.link = Link(self.on_message)
         self.streams: dict[int, _RemoteChannel] = {}
         self.asks: dict[int, _RemoteReply] = {}
 
-    def on_frames(self, frames: list[bytes]) -> None:
-        kind, corr = f.parse_header(frames[0])
+    def on_message(self, data: bytes) -> None:
+        kind, corr, body = f.parse(data)
         mailbox = self.inc.mailbox
         if kind == f.ASK:
             reply = self.asks[corr] = _RemoteReply(self.link, corr, self.asks)
-            mailbox.put_system((ASK_ABORTABLE, codec.decode(frames[1]), reply))
+            mailbox.put_system((ASK_ABORTABLE, codec.decode(body), reply))
         elif kind == f.TELL:
-            mailbox.put_system((TELL, codec.decode(frames[1]), None))
+            mailbox.put_system((TELL, codec.decode(body), None))
         elif kind == f.STREAM:
-            credit = int.from_bytes(frames[2], "big")
-            channel = _RemoteChannel(self.link, corr, credit, self.streams)
+            channel = _RemoteChannel(self.link, corr, f.parse_count(body), self.streams)
             self.streams[corr] = channel
-            mailbox.put_system((STREAM, codec.decode(frames[1]), channel))
+            mailbox.put_system((STREAM, codec.decode(body[4:]), channel))
         elif kind == f.CREDIT:
             open_channel = self.streams.get(corr)
             if open_channel is not None:
-                open_channel.add_credit(int.from_bytes(frames[1], "big"))
+                open_channel.add_credit(f.parse_count(body))
         elif kind == f.CANCEL:
             open_channel = self.streams.get(corr)
             if open_channel is not None:
@@ -198,11 +219,11 @@ class _Server:
             if pending is not None:
                 pending.abort()
         elif kind == f.STOP:
-            kind_name, detail = msgspec.msgpack.decode(frames[1])
+            kind_name, detail = msgspec.msgpack.decode(body)
             self.inc.request_stop(ExitReason(kind_name, detail or None))
 
     async def heartbeat(self, interval: float) -> None:
-        beat = [f.header(f.HEARTBEAT), b""]
+        beat = f.message(f.HEARTBEAT)
         while True:
             self.link.send(beat)
             await anyio.sleep(interval)
@@ -219,7 +240,8 @@ def _reason_bytes(reason: ExitReason) -> bytes:
     return msgspec.msgpack.encode((reason.kind, reason.detail or ""))
 
 
-async def _serve(endpoint: str, factory: str, args: bytes, opts: ChildOptions) -> None:
+async def _serve(endpoints: list[str], factory: str, args: bytes, opts: ChildOptions) -> None:
+    parent_rx, parent_tx = endpoints
     cell = Cell(opts.name)
     ref: ActorRef[Any] = ActorRef(cell)
     server: _Server | None = None
@@ -228,27 +250,27 @@ async def _serve(endpoint: str, factory: str, args: bytes, opts: ChildOptions) -
         inc = Incarnation(actor, ref)
         server = _Server(inc)
     except Exception as exc:
-        link = Link(lambda frames: None)
-        link.connect(endpoint)
-        link.send([f.header(f.START_FAILED), codec.encode_error(exc)])
+        link = Link(lambda data: None)
+        link.connect(parent_tx, parent_rx)
+        link.send(f.message(f.START_FAILED, 0, codec.encode_error(exc)))
         link.close(linger=_LAST_WORDS_S)
         return
-    server.link.connect(endpoint)
+    server.link.connect(parent_tx, parent_rx)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(inc.run, cell, lambda reason: CellState.DEAD)
             try:
                 await inc.ready.wait(None)
             except Exception as exc:
-                server.link.send([f.header(f.START_FAILED), codec.encode_error(exc)])
+                server.link.send(f.message(f.START_FAILED, 0, codec.encode_error(exc)))
                 return
             tg.start_soon(server.link.run)
             tg.start_soon(server.heartbeat, opts.heartbeat_interval)
             tg.start_soon(_stop_on_sigterm, inc)
-            server.link.send([f.header(f.READY), b""])
+            server.link.send(f.message(f.READY))
             await inc.finished.wait()
             assert inc.exit_reason is not None
-            server.link.send([f.header(f.EXIT), _reason_bytes(inc.exit_reason)])
+            server.link.send(f.message(f.EXIT, 0, _reason_bytes(inc.exit_reason)))
             tg.cancel_scope.cancel()
     finally:
         server.link.close(linger=_LAST_WORDS_S)

@@ -1,18 +1,23 @@
-"""Frames between a parent and its process actor.
+"""Messages between a parent and its process actor.
 
-Every message is two ZMQ frames: a 9-byte header (kind, then a 64-bit big-endian correlation id)
-and a body (``protocols.codec`` bytes, or empty). Credits for streams travel as 4-byte integers.
+Every message is one ZMQ frame: a 9-byte header (kind, then a 64-bit big-endian correlation id)
+followed by the body (``protocols.codec`` bytes, a 4-byte credit, or nothing). One frame rather
+than a header frame and a body frame: pyzmq's Python-level cost per frame is a good part of a
+message's cost. A stream's items travel in batches (``ITEMS``, ``protocols.codec.encode_many``),
+and its last batch rides on ``END``.
 """
 
 from __future__ import annotations
 
-__all__ = ["header", "parse_header"]
+import struct
+
+__all__ = ["message", "parse"]
 
 # parent -> child
 TELL = 1
 ASK = 2
-STREAM = 3
-CREDIT = 4
+STREAM = 3  # body: 4-byte credit, then the request
+CREDIT = 4  # body: 4-byte count
 CANCEL = 5
 STOP = 6
 # child -> parent
@@ -20,15 +25,28 @@ READY = 20
 START_FAILED = 21
 REPLY = 22
 ERROR = 23
-ITEM = 24
-END = 25
+ITEMS = 24  # a batch of stream items
+END = 25  # the stream's last batch (possibly empty): the stream is finished
 HEARTBEAT = 26
 EXIT = 27
 
+_HEADER = struct.Struct(">BQ")
+_COUNT = struct.Struct(">I")
+HEADER_SIZE = _HEADER.size
+header = _HEADER.pack
+count = _COUNT.pack
 
-def header(kind: int, corr: int = 0) -> bytes:
-    return kind.to_bytes(1, "big") + corr.to_bytes(8, "big")
+
+def message(kind: int, corr: int = 0, body: bytes = b"") -> bytes:
+    return _HEADER.pack(kind, corr) + body
 
 
-def parse_header(data: bytes) -> tuple[int, int]:
-    return data[0], int.from_bytes(data[1:9], "big")
+def parse(data: bytes) -> tuple[int, int, memoryview]:
+    """``(kind, corr, body)``; the body is a view, not a copy."""
+    kind, corr = _HEADER.unpack_from(data)
+    return kind, corr, memoryview(data)[HEADER_SIZE:]
+
+
+def parse_count(body: memoryview) -> int:
+    value: int = _COUNT.unpack_from(body)[0]
+    return value

@@ -29,7 +29,7 @@ from actors._ref import crash_error
 from actors._stream import StreamChannel
 from actors.process import _frames as f
 from actors.process._child import ChildOptions
-from actors.process._link import Link, LinkBroken, new_endpoint
+from actors.process._link import Link, LinkBroken, new_endpoints
 from actors.process._spawn import exit_code, start_process
 from protocols import codec
 
@@ -70,7 +70,7 @@ class ProcessDied(Exception):
 
 
 class _Forwarder:
-    """The inbox callers' messages go to: frames on the socket, replies matched by id."""
+    """The inbox callers' messages go to: messages on the link, replies matched by id."""
 
     capacity = 1 << 62
 
@@ -84,22 +84,22 @@ class _Forwarder:
     def put_nowait(self, item: Item) -> None:
         kind, message, extra = item
         owner = self._owner
-        if owner.wire.socket.closed or owner._exited.is_set():
+        if owner.wire.closed or owner.exited:
             raise ActorNotRunning(owner.ref.name)
         body = codec.encode(message)
         self.put_count += 1
         if kind == ASK:
             corr = next(_ids)
             owner.asks[corr] = extra
-            owner.wire.send([f.header(f.ASK, corr), body])
+            owner.wire.send(f.header(f.ASK, corr) + body)
         elif kind == TELL:
-            owner.wire.send([f.header(f.TELL), body])
+            owner.wire.send(f.header(f.TELL, 0) + body)
         elif kind == STREAM:
             corr = next(_ids)
             channel: StreamChannel = extra
             owner.streams[corr] = channel
             channel.hooks = _Credit(owner, corr, channel.capacity)
-            owner.wire.send([f.header(f.STREAM, corr), body, channel.capacity.to_bytes(4, "big")])
+            owner.wire.send(f.header(f.STREAM, corr) + f.count(channel.capacity) + body)
 
     put_system = put_nowait
 
@@ -109,9 +109,7 @@ class _Forwarder:
         for corr, pending in owner.asks.items():
             if pending is reply:
                 del owner.asks[corr]
-                if not owner.wire.socket.closed:
-                    with contextlib.suppress(LinkBroken):
-                        owner.wire.send([f.header(f.CANCEL, corr), b""])
+                owner.send_quietly(f.message(f.CANCEL, corr))
                 return
 
     async def put(self, item: Item) -> bool:
@@ -120,7 +118,8 @@ class _Forwarder:
 
 
 class _Credit:
-    """Returns credit to the producing child as the consumer takes items (in batches)."""
+    """Returns credit to the producing child as the consumer takes items (half a window at a
+    time, so the producer never waits on a full round trip while the consumer has work)."""
 
     __slots__ = ("_corr", "_owner", "_taken", "_window")
 
@@ -132,22 +131,15 @@ class _Credit:
 
     def consumed(self) -> None:
         self._taken += 1
-        owner = self._owner
-        if (
-            self._taken >= self._window
-            and self._corr in owner.streams
-            and not owner.wire.socket.closed
-        ):
+        if self._taken >= self._window and self._corr in self._owner.streams:
             # Credit is best effort: if the process is gone, the stream fails on its own.
-            with contextlib.suppress(LinkBroken):
-                owner.wire.send([f.header(f.CREDIT, self._corr), self._taken.to_bytes(4, "big")])
+            self._owner.send_quietly(f.header(f.CREDIT, self._corr) + f.count(self._taken))
             self._taken = 0
 
     def cancelled(self) -> None:
         owner = self._owner
-        if owner.streams.pop(self._corr, None) is not None and not owner.wire.socket.closed:
-            with contextlib.suppress(LinkBroken):
-                owner.wire.send([f.header(f.CANCEL, self._corr), b""])
+        if owner.streams.pop(self._corr, None) is not None:
+            owner.send_quietly(f.message(f.CANCEL, self._corr))
 
 
 class ProcessActor(Actor):
@@ -175,8 +167,9 @@ class ProcessActor(Actor):
         self._remote_exit: ExitReason | None = None
         self._stopping = False
         self._exited = anyio.Event()
+        self.exited = False  # _exited.is_set(), read on every call
         self._ready: Reply | None = None
-        self.wire = Link(self._on_frames)
+        self.wire = Link(self._on_message)
 
     def inbox_override(self) -> _Forwarder:
         return self._forwarder
@@ -199,14 +192,14 @@ class ProcessActor(Actor):
 
     async def _start(self) -> None:
         opts = self.options
-        endpoint = self.wire.bind(new_endpoint(opts.transport, f"{next(_ids)}"))
+        endpoints = self.wire.bind(*new_endpoints(opts.transport, f"{next(_ids)}"))
         options = msgspec.msgpack.encode(
             ChildOptions(self.process_name, opts.backend, opts.heartbeat_interval, os.getpid())
         )
         self._ready = backend().reply()
         self.start_soon(self.wire.run, name=f"{self.process_name} link")
         self._pid = await anyio.to_thread.run_sync(
-            start_process, endpoint, self.factory, codec.encode(list(self.args)), options
+            start_process, list(endpoints), self.factory, codec.encode(list(self.args)), options
         )
         # A pidfd becomes readable the instant the process exits, whoever its parent is.
         self._pidfd = os.pidfd_open(self._pid)
@@ -218,10 +211,9 @@ class ProcessActor(Actor):
     async def stopping(self, reason: ExitReason) -> None:
         self._stopping = True
         if self._alive():
-            if not self.wire.socket.closed:
-                self.wire.send(
-                    [f.header(f.STOP), msgspec.msgpack.encode((reason.kind, reason.detail or ""))]
-                )
+            self.send_quietly(
+                f.message(f.STOP, 0, msgspec.msgpack.encode((reason.kind, reason.detail or "")))
+            )
             for sig, budget in (
                 (None, self.options.stop_timeout),
                 (signal.SIGTERM, self.options.term_timeout),
@@ -249,6 +241,7 @@ class ProcessActor(Actor):
         try:
             await anyio.wait_readable(self._pidfd)
             self._exited.set()
+            self.exited = True
             self._runtime.dying = True
             self.wire.drain()  # frames it sent before exiting (START_FAILED, EXIT) come first
             if self._stopping:
@@ -297,26 +290,32 @@ class ProcessActor(Actor):
                 self._signal(signal.SIGKILL)
                 return
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_message(self, data: bytes) -> None:
         self._last_seen = time.monotonic()
-        kind, corr = f.parse_header(frames[0])
+        kind, corr, body = f.parse(data)
         if kind == f.REPLY:
             reply = self.asks.pop(corr, None)
             if reply is not None:
                 try:
-                    reply.set(codec.decode(frames[1]))
+                    reply.set(codec.decode(body))
                 except codec.CodecError as exc:
                     reply.fail(exc)
-        elif kind == f.ITEM:
-            channel = self.streams.get(corr)
-            if channel is not None:
-                channel.push_nowait(codec.decode(frames[1]))
-        elif kind == f.END:
-            channel = self.streams.pop(corr, None)
-            if channel is not None:
+        elif kind == f.ITEMS or kind == f.END:
+            channel = self.streams.get(corr) if kind == f.ITEMS else self.streams.pop(corr, None)
+            if channel is None:
+                return
+            if body:
+                try:
+                    channel.push_many(codec.decode_many(body))
+                except codec.CodecError as exc:
+                    if self.streams.pop(corr, None) is not None:
+                        self.send_quietly(f.message(f.CANCEL, corr))
+                    channel.fail(exc)
+                    return
+            if kind == f.END:
                 channel.finish()
         elif kind == f.ERROR:
-            error = codec.decode_error(frames[1])
+            error = codec.decode_error(body)
             if isinstance(error, codec.RemoteError) and error.type_name.endswith(
                 "._errors.ActorNotRunning"
             ):
@@ -331,9 +330,9 @@ class ProcessActor(Actor):
                 self._ready.set(None)
         elif kind == f.START_FAILED:
             if self._ready is not None:
-                self._ready.fail(codec.decode_error(frames[1]))
+                self._ready.fail(codec.decode_error(body))
         elif kind == f.EXIT:
-            kind_name, detail = msgspec.msgpack.decode(frames[1])
+            kind_name, detail = msgspec.msgpack.decode(body)
             remote = self._remote_exit = ExitReason(kind_name, detail or None)
             if remote.is_abnormal:
                 # The process is about to exit: crash now, callers need not wait for that.
@@ -342,6 +341,13 @@ class ProcessActor(Actor):
                 raise error
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def send_quietly(self, data: bytes) -> None:
+        """Send if the link is up: for best-effort messages (credit, cancel, stop) that lose
+        their point once the process is gone."""
+        if not self.wire.closed:
+            with contextlib.suppress(LinkBroken):
+                self.wire.send(data)
 
     def _ready_done(self) -> bool:
         return self._ready is None or self._ready.done

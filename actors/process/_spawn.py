@@ -18,12 +18,12 @@ def preload(modules: Iterable[str]) -> None:
             _PRELOAD.append(name)
 
 
-def start_process(endpoint: str, factory: str, args: bytes, options: bytes) -> int:
+def start_process(endpoints: list[str], factory: str, args: bytes, options: bytes) -> int:
     """Fork a child running ``actors.process._child.main``; its pid (blocking: run in a
     thread)."""
     from actors.process._forkserver import forkserver
 
-    return forkserver(_PRELOAD).spawn([endpoint, factory, args, options])
+    return forkserver(_PRELOAD).spawn([endpoints, factory, args, options])
 
 
 def exit_code(pid: int) -> int | None:

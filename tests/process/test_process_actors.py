@@ -45,6 +45,27 @@ async def test_tell_ask_stream_across_processes() -> None:
             assert [r async for r in replies] == list(range(50))
 
 
+async def test_tcp_transport() -> None:
+    opts = ProcessOptions(transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=0.5)
+    async with open_supervisor([process_child("echo", ECHO, "hola", options=opts)]) as sup:
+        ref = await sup.child("echo")
+        assert await ref.ask("greeting") == "hola"
+        async with ref.stream(("count", 300), buffer=8) as replies:
+            assert [r async for r in replies] == list(range(300))
+
+
+async def test_stream_producer_stays_within_its_credit() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)]) as sup:
+        ref = await sup.child("echo")
+        async with ref.stream(("counted", 1000), buffer=4) as replies:
+            assert [await replies.receive() for _ in range(2)] == [0, 1]
+            await anyio.sleep(0.1)  # room to run ahead, were credit not enforced
+            # Taken: 2; a window (4) beyond that may be sent, and one more waits for credit.
+            assert await ref.ask("produced") <= 2 + 4 + 1
+            assert [r async for r in replies] == list(range(2, 1000))
+        assert await ref.ask("produced") == 1000
+
+
 async def test_reply_error_crosses_intact_and_actor_survives() -> None:
     async with open_supervisor([process_child("echo", ECHO, options=FAST)]) as sup:
         ref = await sup.child("echo")
@@ -66,6 +87,21 @@ async def test_unencodable_message_is_a_typed_error_and_loses_nothing() -> None:
         with pytest.raises(CodecError):
             await ref.ask(object())
         assert await ref.ask("greeting") == "hello"
+
+
+async def test_unencodable_stream_item_fails_the_stream_and_loses_nothing() -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=FAST)]) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        got = []
+        with pytest.raises(CodecError):
+            async with ref.stream(("unencodable-after", 3)) as replies:
+                async for item in replies:
+                    got.append(item)
+        assert got == [0, 1, 2]  # each was sent before the next was produced
+        assert await _pid(ref) == pid
+        async with ref.stream(("count", 3)) as replies:
+            assert [r async for r in replies] == [0, 1, 2]
 
 
 async def test_handler_exception_crashes_and_restarts_process() -> None:

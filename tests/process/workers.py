@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from actors import Actor, ReplyError
 
@@ -17,6 +18,7 @@ class Echo(Actor):
         self.told: list[Any] = []
         self.aborted = 0
         self.stream_closed = 0
+        self.produced = 0
 
     async def receive(self, message: Any) -> Any:
         match message:
@@ -37,6 +39,8 @@ class Echo(Actor):
                 return self.aborted
             case "stream_closed":
                 return self.stream_closed
+            case "produced":
+                return self.produced
             case "reply-error":
                 raise ReplyError("no such thing")
             case "crash":
@@ -73,6 +77,15 @@ class Echo(Actor):
                 for i in range(n):
                     yield i
                 raise ReplyError("stream failed")
+            case ("counted", n):
+                for i in range(n):
+                    self.produced += 1
+                    yield i
+            case ("unencodable-after", n):
+                for i in range(n):
+                    yield i
+                    await anyio.lowlevel.checkpoint()
+                yield object()
             case _:
                 raise ReplyError(f"unknown stream {message!r}")
 
