@@ -75,6 +75,7 @@ class LifecycleError(ReplyError):
 class DrainWorker:
     worker: str
     handover: bool = True
+    live: bool = True  # a decode worker hands its KV over (live migration) where it can
 
 
 @attrs.frozen
@@ -141,8 +142,8 @@ class Lifecycle(Actor):
 
     async def receive(self, message: Any) -> Any:
         match message:
-            case DrainWorker(worker=worker, handover=handover):
-                await self.drain(worker, handover=handover)
+            case DrainWorker(worker=worker, handover=handover, live=live):
+                await self.drain(worker, handover=handover, live=live)
             case UndrainWorker(worker=worker):
                 await self.undrain(worker)
             case Release(worker=worker, pool=pool, tags=tags, rolling=rolling):
@@ -206,8 +207,11 @@ class Lifecycle(Actor):
 
     # -- drain -----------------------------------------------------------------------------
 
-    async def drain(self, worker: str, *, handover: bool = True, operation: str = "drain") -> None:
-        """Unregister, wait the grace period, stop admission and hand over (or drain) in-flight."""
+    async def drain(
+        self, worker: str, *, handover: bool = True, live: bool = True, operation: str = "drain"
+    ) -> None:
+        """Unregister, wait the grace period, stop admission and hand over (or drain) in-flight:
+        with ``live``, a decode worker's requests move with their KV where they can."""
         entry = self._entry(worker)
         budgets = self.budgets
         with _Stage(operation, "unregister", worker=worker):
@@ -216,13 +220,13 @@ class Lifecycle(Actor):
         with _Stage(operation, "grace", worker=worker):
             await anyio.sleep(grace)
         with _Stage(operation, "stop_admission", worker=worker, handover=handover):
-            await entry.engine.ask(control.Drain(handover=handover))
+            await entry.engine.ask(control.Drain(handover=handover, live=live))
         with _Stage(operation, "drain", worker=worker):
             with anyio.move_on_after(budgets.drain) as scope:
                 await entry.engine.ask(control.WaitQuiescent(), timeout=None)
             if scope.cancelled_caught:
                 # Out of budget: hand over what is left rather than wait longer.
-                await entry.engine.ask(control.Drain(handover=True))
+                await entry.engine.ask(control.Drain(handover=True, live=live))
 
     async def undrain(self, worker: str) -> None:
         entry = self._entry(worker)

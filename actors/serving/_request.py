@@ -26,7 +26,14 @@ from actors import Actor, ActorError, ActorRef, ExitReason
 from actors.serving._router import Route, Routed
 from actors.serving._routing import RoutingTable
 from actors.telemetry import REGISTRY
-from protocols.engine import EngineOutput, PreprocessedRequest, StopConditions, Usage
+from protocols import control
+from protocols.engine import (
+    BootstrapInfo,
+    EngineOutput,
+    PreprocessedRequest,
+    StopConditions,
+    Usage,
+)
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
@@ -58,6 +65,13 @@ FALLBACKS = Counter(
     "actorserve_decode_only_fallback",
     "Disaggregated requests served by a decode worker alone (no prefill worker routable).",
     ["model"],
+    registry=REGISTRY,
+)
+LIVE_MIGRATIONS = Counter(
+    "actorserve_live_migration",
+    "Requests a draining decode worker handed over with their KV: continued on the new worker "
+    "(success) or replayed from their tokens instead (fallback).",
+    ["model", "outcome"],
     registry=REGISTRY,
 )
 CANCELLATIONS = Counter(
@@ -112,10 +126,14 @@ class RequestStream(Actor):
         failed_at: float | None = None
         migration_type = "new_request"
         request = original
+        live: _Handover | None = None  # this attempt continues from handed-over KV
         while True:
             routed: Routed | None = None
+            offer: _Handover | None = None
             try:
-                if opts.disaggregated:
+                if live is not None:
+                    routed = await self.router.ask(Route(request, tuple(excluded), role="decode"))
+                elif opts.disaggregated:
                     routed, request = await self._dispatch_prefill(
                         request, tuple(excluded), deadline
                     )
@@ -130,14 +148,30 @@ class RequestStream(Actor):
                                 time.monotonic() - failed_at
                             )
                             failed_at = None
+                        if live is not None:
+                            output = _drop_repeated(output, generated)
+                            LIVE_MIGRATIONS.labels(opts.model, "success").inc()
+                            live = None
+                        if output.disaggregated_params is not None and not output.finished:
+                            # A draining decode worker: where this request's KV waits for us.
+                            offer = _Handover(routed, request.rid, output.disaggregated_params)
+                            output = msgspec.structs.replace(output, disaggregated_params=None)
                         generated.extend(output.token_ids)
                         if output.finish_reason is not None:
                             yield _final(output, original, generated)
                             return
-                        yield output
+                        if output.token_ids:
+                            yield output
                 raise StreamIncomplete("the engine stream ended without a finish reason")
             except (RequestError, ActorError) as exc:
                 error = _typed(exc)
+                if live is not None:
+                    # The live migration failed before its first output (no room, transfer
+                    # failed, ...): the same migration goes on as a token replay.
+                    self._fall_back(live, error)
+                    live = None
+                    request = _continuation(original, generated, f"{request.rid}r")
+                    continue
                 if not error.migratable:
                     raise error from None
                 refusal = _refuse_migration(original)
@@ -167,7 +201,12 @@ class RequestStream(Actor):
                     error=error.code,
                     generated=len(generated),
                 )
-                request = _continuation(original, generated, opts.migration_limit - migrations_left)
+                rid = f"{original.rid}-m{opts.migration_limit - migrations_left}"
+                if offer is not None and generated:
+                    live = offer
+                    request = _continuation(original, generated[:-1], rid, offer.bootstrap)
+                else:
+                    request = _continuation(original, generated, rid)
 
     async def _route(self, route: Route, deadline: float, *, retrying: bool) -> Routed:
         """Ask the router; while migrating, wait (within the deadline) for a worker of the role to
@@ -253,6 +292,15 @@ class RequestStream(Actor):
             finally:
                 self._done(routed)
 
+    def _fall_back(self, live: _Handover, error: RequestError) -> None:
+        LIVE_MIGRATIONS.labels(self.options.model, "fallback").inc()
+        _log.info("live migration failed: replaying", rid=live.rid, error=error.code)
+        # Fire and forget: the draining worker frees the KV it kept (once its room is terminal).
+        try:
+            live.source.engine.tell_nowait(control.Abort(live.rid))
+        except ActorError:
+            pass
+
     def _done(self, routed: Routed) -> None:
         # Fire and forget: this runs while a cancellation may be unwinding us.
         try:
@@ -276,13 +324,34 @@ def _refuse_migration(request: PreprocessedRequest) -> str | None:
     return None
 
 
-def _continuation(
-    original: PreprocessedRequest, generated: list[int], attempt: int
-) -> PreprocessedRequest:
-    """The request that continues ``original`` after ``generated`` tokens elsewhere.
+@attrs.frozen
+class _Handover:
+    """A draining decode worker's offer: request ``rid``'s KV, readable at ``bootstrap``."""
 
-    Each attempt gets its own engine request id: a migration may land on the same worker while
-    the aborted attempt is still being torn down there."""
+    source: Routed
+    rid: str
+    bootstrap: BootstrapInfo
+
+
+def _drop_repeated(output: EngineOutput, generated: list[int]) -> EngineOutput:
+    """A live migration's first output, less the token it repeats (the newest before the hand-
+    over: its KV was not handed over, so the new worker computes it again)."""
+    if not output.token_ids or output.token_ids[0] != generated[-1]:
+        raise KVTransferError("the live-migrated request did not resume where it stopped")
+    return msgspec.structs.replace(output, token_ids=output.token_ids[1:])
+
+
+def _continuation(
+    original: PreprocessedRequest,
+    generated: list[int],
+    rid: str,
+    live: BootstrapInfo | None = None,
+) -> PreprocessedRequest:
+    """The request that continues ``original`` after ``generated`` tokens elsewhere; with
+    ``live``, from the KV of ``original`` plus ``generated`` handed over at that room.
+
+    Each attempt gets its own engine request id ``rid``: a migration may land on the same
+    worker while the aborted attempt is still being torn down there."""
     stop = original.stop_conditions
     done = len(generated)
     conditions = StopConditions(
@@ -294,10 +363,11 @@ def _continuation(
     )
     return msgspec.structs.replace(
         original,
-        rid=f"{original.rid}-m{attempt}",
+        rid=rid,
         token_ids=[*original.token_ids, *generated],
         stop_conditions=conditions,
-        bootstrap_info=None,
+        bootstrap_info=live,
+        live_migration=live is not None,
     )
 
 

@@ -16,7 +16,14 @@ import msgspec
 from actors import Actor, ExitReason, ReplyError
 from actors.worker._kvbridge import KVBridge, needs_transfer
 from protocols import control as c
-from protocols.engine import Engine, EngineOutput, MemoryTag, PauseMode, PreprocessedRequest
+from protocols.engine import (
+    BootstrapInfo,
+    Engine,
+    EngineOutput,
+    MemoryTag,
+    PauseMode,
+    PreprocessedRequest,
+)
 from protocols.errors import EngineFailure, EngineShutdown, RequestError, WorkerDraining
 
 __all__ = ["EngineHost", "InjectedCrash", "build_engine"]
@@ -63,7 +70,9 @@ class EngineHost(Actor):
         self._capacity: Any = None
         self.admitting = True
         self._running: set[str] = set()
-        self._handed_over: dict[str, RequestError] = {}
+        # A drained request's error, and where its KV can be read (a live hand-over) or None.
+        self._handed_over: dict[str, tuple[RequestError, BootstrapInfo | None]] = {}
+        self._handovers = {"live": 0, "replay": 0}
         self._faults: dict[str, int] = {}
 
     async def started(self) -> None:
@@ -108,7 +117,9 @@ class EngineHost(Actor):
                 if self.bridge is not None:
                     await self.bridge.connect(endpoint)
             case c.Abort(rid=rid):
-                await engine.abort(rid)
+                # A handed-over request's pages go once its room is terminal, not before.
+                if self.bridge is None or not self.bridge.abort_handover(rid):
+                    await engine.abort(rid)
             case c.Pause(mode=mode):
                 self._fault("pause")
                 await engine.pause(mode)
@@ -124,8 +135,8 @@ class EngineHost(Actor):
                 await engine.resume_memory(tags)
                 if MemoryTag.KV_CACHE in tags:
                     await self._open_bridge()  # a new buffer: register it again
-            case c.Drain(handover=handover, shutdown=shutdown):
-                await self._drain(handover, shutdown)
+            case c.Drain(handover=handover, shutdown=shutdown, live=live):
+                await self._drain(handover, shutdown, live and not shutdown)
             case c.Undrain():
                 self.admitting = True
             case c.InjectFault(operation=operation, count=count):
@@ -157,6 +168,12 @@ class EngineHost(Actor):
                     engine_in_flight=getattr(native, "in_flight", -1),
                     pid=os.getpid(),
                     admitting=self.admitting,
+                    prefill_tokens=getattr(native, "prefill_tokens", -1),
+                    kv_received_tokens=getattr(native, "kv_received_tokens", -1),
+                    handovers_live=self._handovers["live"],
+                    handovers_replay=self._handovers["replay"],
+                    handovers_open=self.bridge.handovers_open if self.bridge else 0,
+                    transfer_pages=self.bridge.transfer_pages() if self.bridge else 0,
                 )
             case _:
                 return await super().receive(message)
@@ -189,7 +206,7 @@ class EngineHost(Actor):
         if self._take_fault(operation):
             raise EngineFailure(f"injected fault in {operation}")
 
-    async def _drain(self, handover: bool, shutdown: bool) -> None:
+    async def _drain(self, handover: bool, shutdown: bool, live: bool) -> None:
         self.admitting = False
         if not handover:
             return
@@ -199,9 +216,15 @@ class EngineHost(Actor):
             else WorkerDraining("the worker is draining")
         )
         assert self.engine is not None
+        bridge = self.bridge if live else None
         for rid in list(self._running):
-            self._handed_over[rid] = error
-            await self.engine.abort(rid)
+            if rid in self._handed_over:
+                continue  # a drain again: already on its way out
+            offer = bridge.hand_over(rid) if bridge is not None else None
+            self._handed_over[rid] = (error, offer)
+            self._handovers["replay" if offer is None else "live"] += 1
+            if offer is None:
+                await self.engine.abort(rid)
 
     def _outputs(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         assert self.engine is not None
@@ -229,10 +252,12 @@ class EngineHost(Actor):
                 handed_over = self._handed_over.pop(rid, None) if output.finish_reason else None
                 if handed_over is not None and output.finish_reason == "cancelled":
                     # Our own abort for a drain: never let it look like a client cancel
-                    # (Dynamo's PR #13952). Deliver its tokens, then the migratable error.
-                    if output.token_ids:
-                        yield EngineOutput(token_ids=output.token_ids)
-                    raise handed_over
+                    # (Dynamo's PR #13952). Deliver its tokens (and where its KV waits, for a
+                    # live hand-over), then the migratable error.
+                    error, offer = handed_over
+                    if output.token_ids or offer is not None:
+                        yield EngineOutput(token_ids=output.token_ids, disaggregated_params=offer)
+                    raise error
                 yield output
         finally:
             self.running -= 1
