@@ -71,7 +71,8 @@ class IsQuiescent:
 
 @attrs.frozen
 class WaitQuiescent:
-    pass
+    """A stream request (not an ask, so the engine actor's mailbox keeps serving meanwhile):
+    the stream ends, with no item, once the engine is quiescent."""
 
 
 @attrs.frozen

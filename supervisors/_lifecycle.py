@@ -21,7 +21,7 @@ import attrs
 import structlog
 from prometheus_client import Counter, Gauge
 
-from actors import Actor, ActorError, ReplyError
+from actors import Actor, ActorError, ActorRef, ReplyError
 from actors.telemetry import REGISTRY
 from protocols import control
 from protocols.engine import DEFAULT_RELEASE_TAGS, MemoryTag, PauseMode
@@ -101,6 +101,13 @@ class Resume:
 @attrs.frozen
 class WorkerStates:
     pass
+
+
+async def wait_quiescent(engine: ActorRef[Any]) -> None:
+    """Return once the engine actor's engine is quiescent (see ``control.WaitQuiescent``)."""
+    async with engine.stream(control.WaitQuiescent(), buffer=1) as replies:
+        async for _ in replies:
+            pass
 
 
 class _Stage:
@@ -223,7 +230,7 @@ class Lifecycle(Actor):
             await entry.engine.ask(control.Drain(handover=handover, live=live))
         with _Stage(operation, "drain", worker=worker):
             with anyio.move_on_after(budgets.drain) as scope:
-                await entry.engine.ask(control.WaitQuiescent(), timeout=None)
+                await wait_quiescent(entry.engine)
             if scope.cancelled_caught:
                 # Out of budget: hand over what is left rather than wait longer.
                 await entry.engine.ask(control.Drain(handover=True, live=live))

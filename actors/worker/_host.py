@@ -145,11 +145,6 @@ class EngineHost(Actor):
                 return await engine.flush_cache()
             case c.IsQuiescent():
                 return engine.is_quiescent()
-            case c.WaitQuiescent():
-                waiter = getattr(engine, "wait_quiescent", None)
-                if waiter is None:
-                    raise ReplyError("this engine cannot wait for quiescence")
-                await waiter()
             case c.GetHealthPayload():
                 self._fault("health")
                 return engine.health_payload()
@@ -236,6 +231,14 @@ class EngineHost(Actor):
         return self.engine.generate(request)
 
     async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
+        if isinstance(message, c.WaitQuiescent):
+            # A stream, not an ask: a drain may take long, and the mailbox must keep serving
+            # meanwhile (aborts of handed-over requests, health checks, statistics).
+            waiter = getattr(self.engine, "wait_quiescent", None)
+            if waiter is None:
+                raise ReplyError("this engine cannot wait for quiescence")
+            await waiter()
+            return
         if not isinstance(message, PreprocessedRequest):
             raise ReplyError(f"expected a PreprocessedRequest, got {type(message).__name__}")
         assert self.engine is not None

@@ -97,10 +97,10 @@ async def test_live_migration_of_16_running_requests_needs_no_prefill() -> None:
     prompts = _prompts(16)
     async with serving_tree(**DISAGG, engine_args=SLOW) as tree:
         async with httpx.AsyncClient(base_url=tree.url) as client:
-            expected = await _run(client, prompts, 60, anyio.Event())
+            expected = await _run(client, prompts, 150, anyio.Event())
             await _quiet(tree)
             success, fallback = _live("success"), _live("fallback")
-            got, before = await _drain_running(tree, client, prompts, 60)
+            got, before = await _drain_running(tree, client, prompts, 150)
         await _quiet(tree)
         after = {w: await tree.engine_stats(w) for w in tree.serving.roles}
     assert all(r["error"] is None and r["finish"] == "length" for r in got), got
@@ -123,14 +123,14 @@ async def test_no_room_on_the_target_falls_back_to_replay() -> None:
     async with serving_tree(**DISAGG, engine_args=engine) as tree:
         table = tree.serving.table
         async with httpx.AsyncClient(base_url=tree.url) as client:
-            expected = await _run(client, mine, 40, anyio.Event())
+            expected = await _run(client, mine, 100, anyio.Event())
             await _quiet(tree)
             fallback, success = _live("fallback"), _live("success")
             busy: list[dict[str, Any]] = []
             busy_started = anyio.Event()
 
             async def keep_decode_1_busy() -> None:
-                busy.extend(await _run(client, theirs, 250, busy_started))
+                busy.extend(await _run(client, theirs, 400, busy_started))
 
             async with anyio.create_task_group() as tg:
                 table.set_draining("decode-0", True)
@@ -138,7 +138,7 @@ async def test_no_room_on_the_target_falls_back_to_replay() -> None:
                 with anyio.fail_after(30):
                     await busy_started.wait()
                 table.set_draining("decode-0", False)
-                got, _ = await _drain_running(tree, client, mine, 40)
+                got, _ = await _drain_running(tree, client, mine, 100)
         await _quiet(tree)
         stats = await tree.engine_stats("decode-0")
     assert all(r["error"] is None and r["finish"] == "length" for r in [*got, *busy]), got
@@ -151,12 +151,12 @@ async def test_failed_transfer_falls_back_to_replay() -> None:
     prompts = _prompts(8)
     async with serving_tree(**DISAGG, engine_args=SLOW) as tree:
         async with httpx.AsyncClient(base_url=tree.url) as client:
-            expected = await _run(client, prompts, 60, anyio.Event())
+            expected = await _run(client, prompts, 150, anyio.Event())
             await _quiet(tree)
             fallback, success = _live("fallback"), _live("success")
             # The next three KV transfers into decode-1 fail, as a lost NIXL connection would.
             await tree.engine("decode-1").ask(control.InjectFault("fail_kv", 3))
-            got, before = await _drain_running(tree, client, prompts, 60)
+            got, before = await _drain_running(tree, client, prompts, 150)
         await _quiet(tree)
         prefill = await tree.engine_stats("prefill-0")
         replayed = prefill.prefill_tokens - before["prefill-0"].prefill_tokens
