@@ -21,6 +21,7 @@ the engine's own release or resume of the same memory, paired, medians).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from typing import Any
@@ -50,7 +51,11 @@ MAX_TOKENS = 200
 WINDOW_S = 2.0  # the migration gap ends within this long after the drain started
 
 
-async def _stream(client: httpx.AsyncClient, prompt: str, times: list[float]) -> None:
+async def _stream(
+    client: httpx.AsyncClient, prompt: str, times: list[float], started: list[anyio.Event]
+) -> None:
+    """Stream ``prompt``, noting when each chunk arrives; sets and drops ``started[0]`` after
+    the third chunk."""
     body = {
         "model": "mock",
         "prompt": prompt,
@@ -61,8 +66,11 @@ async def _stream(client: httpx.AsyncClient, prompt: str, times: list[float]) ->
     async with client.stream("POST", "/v1/completions", json=body, timeout=300) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                times.append(time.perf_counter())
+            if not line.startswith("data: {"):
+                continue
+            times.append(time.perf_counter())
+            if len(times) == 3:
+                started.pop().set()
 
 
 class Bench:
@@ -83,13 +91,14 @@ class Bench:
         """Start ``inflight`` requests on decode-0, drain it under them, wait for them."""
         table = self.serving.table
         streams: list[list[float]] = [[] for _ in range(self.inflight)]
+        started = [anyio.Event() for _ in streams]
         async with anyio.create_task_group() as tg:
             table.set_draining("decode-1", True)  # every request starts on decode-0
             for i, times in enumerate(streams):
-                tg.start_soon(_stream, self.client, f"{tag} {i} {CONTEXT}", times)
+                tg.start_soon(_stream, self.client, f"{tag} {i} {CONTEXT}", times, started)
             with anyio.fail_after(120):
-                while not all(len(times) >= 3 for times in streams):
-                    await anyio.sleep(0.01)
+                for event in list(started):
+                    await event.wait()
             table.set_draining("decode-1", False)
             if flush:
                 assert await self.engine("prefill-0").ask(control.FlushCache())
@@ -99,7 +108,7 @@ class Bench:
         await self.lifecycle.ask(UndrainWorker("decode-0"), timeout=None)
         migration, normal = [], []
         for times in streams:
-            gaps = [(b - a, b) for a, b in zip(times, times[1:], strict=False)]
+            gaps = [(b - a, b) for a, b in itertools.pairwise(times)]
             around = [g for g, end in gaps if started < end < started + WINDOW_S]
             migration.append(max(around))
             normal.append(statistics.median(g for g, _ in gaps))

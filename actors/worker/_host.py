@@ -11,6 +11,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+import anyio.abc
 import msgspec
 
 from actors import Actor, ExitReason, ReplyError
@@ -63,6 +65,8 @@ class EngineHost(Actor):
         self.config = config
         self.worker_id = worker_id or f"worker-{os.getpid()}"
         self.bridge: KVBridge | None = None
+        self._bridge_closing: anyio.Event | None = None  # the bridge's task: close it
+        self._bridge_closed: anyio.Event | None = None  # the bridge's task: it is closed
         self.engine: Engine | None = None
         self.running = 0
         self.finished = 0
@@ -95,13 +99,28 @@ class EngineHost(Actor):
         if self.backend == "sglang" or role not in ("prefill", "decode") or self.bridge is not None:
             return
         bridge = KVBridge(self.engine, role, self.worker_id, self._take_fault)
-        await bridge.__aenter__()
-        self.bridge = bridge
+        self.bridge = await self.task_group.start(self._keep_bridge, bridge)
+
+    async def _keep_bridge(
+        self, bridge: KVBridge, *, task_status: anyio.abc.TaskStatus[KVBridge]
+    ) -> None:
+        # The bridge lives in a task of its own: its task groups must be entered and exited by
+        # one task, and not from a handler (a remote ask runs in a cancel scope of its own).
+        closing = self._bridge_closing = anyio.Event()
+        closed = self._bridge_closed = anyio.Event()
+        try:
+            async with bridge:
+                task_status.started(bridge)
+                await closing.wait()
+        finally:
+            closed.set()
 
     async def _close_bridge(self) -> None:
         bridge, self.bridge = self.bridge, None
         if bridge is not None:
-            await bridge.__aexit__(None, None, None)
+            assert self._bridge_closing is not None and self._bridge_closed is not None
+            self._bridge_closing.set()
+            await self._bridge_closed.wait()
 
     async def receive(self, message: Any) -> Any:
         engine = self.engine

@@ -11,7 +11,8 @@ import httpx
 
 from actors.telemetry import REGISTRY
 from protocols import control
-from supervisors._lifecycle import DrainWorker
+from protocols.engine import MemoryTag
+from supervisors._lifecycle import DrainWorker, Release, Resume, WorkerStates
 from tests.helpers.serving import Tree, serving_tree
 from tests.serving.test_e2e import _stream_text
 
@@ -53,11 +54,15 @@ async def _run(
 
 
 async def _drain_running(
-    tree: Tree, client: httpx.AsyncClient, prompts: list[str], max_tokens: int
+    tree: Tree,
+    client: httpx.AsyncClient,
+    prompts: list[str],
+    max_tokens: int,
+    drain: Any = None,
 ) -> tuple[list[dict[str, Any]], dict[str, control.EngineStats]]:
     """Run ``prompts`` all on decode-0 (decode-1 kept out of routing until every one has its
-    first token), then drain decode-0 while they generate. Returns the results, and every
-    worker's statistics from just before the drain."""
+    first token), then drain decode-0 while they generate (or send the lifecycle ``drain``).
+    Returns the results, and every worker's statistics from just before the drain."""
     table = tree.serving.table
     out: list[dict[str, Any]] = []
     started = anyio.Event()
@@ -75,7 +80,7 @@ async def _drain_running(
             table.set_draining("decode-1", False)
             before.update({w: await tree.engine_stats(w) for w in tree.serving.roles})
             assert before["decode-0"].running == len(prompts)
-            await tree.lifecycle.ask(DrainWorker("decode-0"), timeout=None)
+            await tree.lifecycle.ask(drain or DrainWorker("decode-0"), timeout=None)
     finally:
         table.set_draining("decode-1", False)
     return out, before
@@ -164,3 +169,24 @@ async def test_failed_transfer_falls_back_to_replay() -> None:
     assert [r["text"] for r in got] == [r["text"] for r in expected]
     assert (_live("fallback") - fallback, _live("success") - success) == (3, 5)
     assert replayed > 0  # the three fallbacks were prefilled again
+
+
+async def test_memory_release_moves_the_requests_live() -> None:
+    prompts = _prompts(8)
+    release = Release(worker="decode-0", tags=(MemoryTag.KV_CACHE, MemoryTag.WEIGHTS))
+    async with serving_tree(**DISAGG, engine_args=SLOW) as tree:
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            expected = await _run(client, prompts, 150, anyio.Event())
+            await _quiet(tree)
+            success = _live("success")
+            got, _ = await _drain_running(tree, client, prompts, 150, release)
+            assert (await tree.lifecycle.ask(WorkerStates()))["decode-0"]["state"] == "released"
+            await tree.lifecycle.ask(Resume(worker="decode-0"), timeout=None)
+            tree.serving.table.set_draining("decode-1", True)  # decode-0 serves this one
+            again = await _stream_text(client, prompts[0], 150)
+            tree.serving.table.set_draining("decode-1", False)
+        await _quiet(tree)
+    assert all(r["error"] is None and r["finish"] == "length" for r in got), got
+    assert [r["text"] for r in got] == [r["text"] for r in expected]
+    assert _live("success") - success == 8
+    assert again["error"] is None and again["text"] == expected[0]["text"]
