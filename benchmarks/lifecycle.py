@@ -5,17 +5,19 @@ migration vs token replay), drain time, and release/resume orchestration overhea
 
 A disaggregated serving tree runs in this process (one prefill and two decode mock engines in
 child processes, the default timing model, KV over NIXL). Requests with a 4k-token context all
-decode on decode-0, which is then drained three times over: with live KV migration (the
-default), with token replay (``live=False``) while the prefill worker still caches the
-contexts, and with token replay after its cache was flushed (the whole context is prefilled
-again). A request's migration gap is its longest client-side token gap around the drain.
+decode on decode-0, which is then drained four times over: twice with live KV migration (the
+default; the first is the worker pair's first hand-over, reported apart), with token replay
+(``live=False``) while the prefill worker still caches the contexts, and with token replay
+after its cache was flushed (the whole context is prefilled again). A request's migration gap
+is its longest client-side token gap around the drain.
 
-Prints a table, then one JSON line with live_migration_gap_ms_p50, replay_migration_gap_ms_p50
-(the full re-prefill), replay_cached_migration_gap_ms_p50, normal_token_gap_ms_p50,
-live_migration_extra_ms_p50 (the live gap beyond the request's own median token gap),
-drain_s_16_inflight (the live drain; 8 in flight with --quick), drain_replay_s,
-release_overhead_ms and resume_overhead_ms (a lifecycle release or resume of decode-1, less
-the engine's own release or resume of the same memory, paired, medians).
+Prints a table, then one JSON line with live_migration_gap_ms_p50,
+live_migration_first_gap_ms_p50, replay_migration_gap_ms_p50 (the full re-prefill),
+replay_cached_migration_gap_ms_p50, normal_token_gap_ms_p50, live_migration_extra_ms_p50 (the
+live gap beyond the request's own median token gap), drain_s_16_inflight (the live drain; 8 in
+flight with --quick), drain_replay_s, release_overhead_ms and resume_overhead_ms (medians of a
+lifecycle release or resume of decode-1's KV cache and weights, less the engine's own release
+or resume call in it).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import httpx
 
 from actors import ActorRef, current_registry
 from actors.serving import ServeConfig, Serving
+from actors.telemetry import REGISTRY
 from actors.worker import engine_name
 from benchmarks._common import percentile, report
 from protocols import control
@@ -115,23 +118,26 @@ class Bench:
         return {"migration": migration, "normal": normal, "drain_s": drain_s}
 
     async def release_resume(self, reps: int) -> tuple[list[float], list[float]]:
-        """Per pair: lifecycle time less the engine's own, for a release and for a resume."""
-        engine = self.engine("decode-1")
+        """Lifecycle release and resume times of decode-1 less the engine's own release or
+        resume call in them (the ``release_memory`` / ``resume_memory`` stage)."""
         tags = (MemoryTag.KV_CACHE, MemoryTag.WEIGHTS)
         release, resume = [], []
         for _ in range(reps):
             t0 = time.perf_counter()
-            await engine.ask(control.ReleaseMemory(tags), timeout=None)
-            t1 = time.perf_counter()
-            await engine.ask(control.ResumeMemory(tags), timeout=None)
-            t2 = time.perf_counter()
             await self.lifecycle.ask(Release(worker="decode-1", tags=tags), timeout=None)
-            t3 = time.perf_counter()
+            t1 = time.perf_counter()
             await self.lifecycle.ask(Resume(worker="decode-1"), timeout=None)
-            t4 = time.perf_counter()
-            release.append((t3 - t2) - (t1 - t0))
-            resume.append((t4 - t3) - (t2 - t1))
+            t2 = time.perf_counter()
+            release.append(t1 - t0 - _stage_seconds("release", "release_memory"))
+            resume.append(t2 - t1 - _stage_seconds("resume", "resume_memory"))
         return release, resume
+
+
+def _stage_seconds(operation: str, stage: str) -> float:
+    labels = {"operation": operation, "stage": stage}
+    value = REGISTRY.get_sample_value("actorserve_lifecycle_stage_seconds", labels)
+    assert value is not None
+    return value
 
 
 async def measure(quick: bool) -> dict[str, float]:
@@ -151,6 +157,7 @@ async def measure(quick: bool) -> dict[str, float]:
         await serving.table.wait_routable(3)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{serving.port}") as client:
             bench = Bench(serving, client, 8 if quick else 16)
+            first = await bench.drain("first", live=True)  # these two workers' first hand-over
             live = await bench.drain("live", live=True)
             cached = await bench.drain("cached", live=False)
             cold = await bench.drain("cold", live=False, flush=True)
@@ -159,6 +166,7 @@ async def measure(quick: bool) -> dict[str, float]:
     normal = [*live["normal"], *cached["normal"], *cold["normal"]]
     return {
         "live_migration_gap_ms_p50": percentile(live["migration"], 50) * 1e3,
+        "live_migration_first_gap_ms_p50": percentile(first["migration"], 50) * 1e3,
         "replay_migration_gap_ms_p50": percentile(cold["migration"], 50) * 1e3,
         "replay_cached_migration_gap_ms_p50": percentile(cached["migration"], 50) * 1e3,
         "normal_token_gap_ms_p50": percentile(normal, 50) * 1e3,
@@ -177,6 +185,11 @@ def main() -> None:
     r = {k: round(v, 3) for k, v in anyio.run(measure, args.quick).items()}
     rows = [
         ("live KV migration gap p50 (ms)", r["live_migration_gap_ms_p50"], "4k context"),
+        (
+            "  the pair's first hand-over (ms)",
+            r["live_migration_first_gap_ms_p50"],
+            "first WRITE between the two",
+        ),
         (
             "  beyond the request's own token gap (ms)",
             r["live_migration_extra_ms_p50"],

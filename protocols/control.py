@@ -104,7 +104,10 @@ class Drain:
 
 @attrs.frozen
 class Undrain:
-    pass
+    """Admit requests again; with ``continue_generation``, first continue a paused engine (one
+    round trip where a resume needs both)."""
+
+    continue_generation: bool = False
 
 
 @attrs.frozen

@@ -302,8 +302,7 @@ class Lifecycle(Actor):
 
     async def _serve_again(self, entry: WorkerEntry) -> None:
         with _Stage("resume", "continue", worker=entry.id):
-            await entry.engine.ask(control.ContinueGeneration())
-            await entry.engine.ask(control.Undrain())
+            await entry.engine.ask(control.Undrain(continue_generation=True))
             entry.paused = False
         with _Stage("resume", "register", worker=entry.id):
             self.serving.table.set_draining(entry.id, False)

@@ -156,7 +156,9 @@ class EngineHost(Actor):
                     await self._open_bridge()  # a new buffer: register it again
             case c.Drain(handover=handover, shutdown=shutdown, live=live):
                 await self._drain(handover, shutdown, live and not shutdown)
-            case c.Undrain():
+            case c.Undrain(continue_generation=continue_generation):
+                if continue_generation:
+                    await engine.continue_generation()
                 self.admitting = True
             case c.InjectFault(operation=operation, count=count):
                 self._faults[operation] = self._faults.get(operation, 0) + count
