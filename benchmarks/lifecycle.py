@@ -14,7 +14,8 @@ is its longest client-side token gap around the drain.
 Prints a table, then one JSON line with live_migration_gap_ms_p50,
 live_migration_first_gap_ms_p50, replay_migration_gap_ms_p50 (the full re-prefill),
 replay_cached_migration_gap_ms_p50, normal_token_gap_ms_p50, live_migration_extra_ms_p50 (the
-live gap beyond the request's own median token gap), drain_s_16_inflight (the live drain; 8 in
+live gap beyond the request's own median token gap; live_migration_extra_ms_1_inflight: the same
+for a drain with one request in flight, median of three), drain_s_16_inflight (the live drain; 8 in
 flight with --quick), drain_replay_s, release_overhead_ms and resume_overhead_ms (medians of a
 lifecycle release or resume of decode-1's KV cache and weights, less the engine's own release
 or resume call in it).
@@ -90,10 +91,12 @@ class Bench:
         assert ref is not None
         return ref
 
-    async def drain(self, tag: str, *, live: bool, flush: bool = False) -> dict[str, Any]:
+    async def drain(
+        self, tag: str, *, live: bool, flush: bool = False, inflight: int = 0
+    ) -> dict[str, Any]:
         """Start ``inflight`` requests on decode-0, drain it under them, wait for them."""
         table = self.serving.table
-        streams: list[list[float]] = [[] for _ in range(self.inflight)]
+        streams: list[list[float]] = [[] for _ in range(inflight or self.inflight)]
         started = [anyio.Event() for _ in streams]
         async with anyio.create_task_group() as tg:
             table.set_draining("decode-1", True)  # every request starts on decode-0
@@ -161,6 +164,7 @@ async def measure(quick: bool) -> dict[str, float]:
             live = await bench.drain("live", live=True)
             cached = await bench.drain("cached", live=False)
             cold = await bench.drain("cold", live=False, flush=True)
+            alone = [await bench.drain(f"alone{i}", live=True, inflight=1) for i in range(3)]
             release, resume = await bench.release_resume(5 if quick else 15)
     extra = [m - n for m, n in zip(live["migration"], live["normal"], strict=True)]
     normal = [*live["normal"], *cached["normal"], *cold["normal"]]
@@ -171,6 +175,10 @@ async def measure(quick: bool) -> dict[str, float]:
         "replay_cached_migration_gap_ms_p50": percentile(cached["migration"], 50) * 1e3,
         "normal_token_gap_ms_p50": percentile(normal, 50) * 1e3,
         "live_migration_extra_ms_p50": percentile(extra, 50) * 1e3,
+        "live_migration_extra_ms_1_inflight": statistics.median(
+            r["migration"][0] - r["normal"][0] for r in alone
+        )
+        * 1e3,
         "drain_s_16_inflight": live["drain_s"],
         "drain_replay_s": cold["drain_s"],
         "release_overhead_ms": statistics.median(release) * 1e3,
@@ -194,6 +202,11 @@ def main() -> None:
             "  beyond the request's own token gap (ms)",
             r["live_migration_extra_ms_p50"],
             "goal <= 10 plus the transfer",
+        ),
+        (
+            "  ... with one request in flight (ms)",
+            r["live_migration_extra_ms_1_inflight"],
+            "median of 3 drains",
         ),
         ("token-replay gap p50 (ms)", r["replay_migration_gap_ms_p50"], "context prefilled again"),
         (

@@ -3,8 +3,12 @@
 It routes the request, streams the engine's outputs to the client, and on a *migratable* error
 (worker death, drain, shutdown, a stalled or truncated stream) re-dispatches it to another worker
 with the prompt plus every token generated so far, ``max_tokens``/``min_tokens`` reduced and the
-same seed, up to the migration limit: the client sees one uninterrupted stream. A client cancel
-aborts the engine request and is never migrated. Each output must arrive within the stall
+same seed, up to the migration limit: the client sees one uninterrupted stream. A draining
+decode worker may instead offer the request's KV (an output whose ``disaggregated_params`` name a
+room on it, before the migratable error): the next decode worker then receives that KV and goes
+on from the newest token with no prefill (live migration; its first output repeats that token,
+which is dropped), and if that fails before its first output, the same migration falls back to
+token replay. A client cancel aborts the engine request and is never migrated. Each output must arrive within the stall
 timeout and the whole request within its deadline, so no request hangs after a worker was chosen.
 """
 
@@ -100,6 +104,9 @@ class RequestStream(Actor):
         self.router = router
         self.options = options
         self.table = table
+        # A draining worker's offer of this request's KV, until an attempt took it (or it is
+        # given back: on every other way out, the worker is told to free it).
+        self._live: _Handover | None = None
 
     async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
         if not isinstance(message, PreprocessedRequest):
@@ -115,6 +122,8 @@ class RequestStream(Actor):
             CANCELLATIONS.labels(self.options.model).inc()
             raise
         finally:
+            if self._live is not None:
+                self._release(self._live)
             self.stop(ExitReason.normal())
 
     async def _serve(self, original: PreprocessedRequest) -> AsyncGenerator[EngineOutput, None]:
@@ -126,12 +135,11 @@ class RequestStream(Actor):
         failed_at: float | None = None
         migration_type = "new_request"
         request = original
-        live: _Handover | None = None  # this attempt continues from handed-over KV
         while True:
             routed: Routed | None = None
             offer: _Handover | None = None
             try:
-                if live is not None:
+                if self._live is not None:  # continue from the handed-over KV
                     routed = await self.router.ask(Route(request, tuple(excluded), role="decode"))
                 elif opts.disaggregated:
                     routed, request = await self._dispatch_prefill(
@@ -148,10 +156,10 @@ class RequestStream(Actor):
                                 time.monotonic() - failed_at
                             )
                             failed_at = None
-                        if live is not None:
+                        if self._live is not None:
                             output = _drop_repeated(output, generated)
                             LIVE_MIGRATIONS.labels(opts.model, "success").inc()
-                            live = None
+                            self._live = None
                         if output.disaggregated_params is not None and not output.finished:
                             # A draining decode worker: where this request's KV waits for us.
                             offer = _Handover(routed, request.rid, output.disaggregated_params)
@@ -165,13 +173,19 @@ class RequestStream(Actor):
                 raise StreamIncomplete("the engine stream ended without a finish reason")
             except (RequestError, ActorError) as exc:
                 error = _typed(exc)
-                if live is not None:
+                if self._live is not None:
                     # The live migration failed before its first output (no room, transfer
                     # failed, ...): the same migration goes on as a token replay.
-                    self._fall_back(live, error)
-                    live = None
+                    LIVE_MIGRATIONS.labels(opts.model, "fallback").inc()
+                    _log.info("live migration failed", rid=original.rid, error=error.code)
+                    self._release(self._live)
+                    self._live = None
                     request = _continuation(original, generated, f"{request.rid}r")
                     continue
+                if offer is not None and generated:
+                    self._live = offer
+                elif offer is not None:
+                    self._release(offer)
                 if not error.migratable:
                     raise error from None
                 refusal = _refuse_migration(original)
@@ -202,9 +216,8 @@ class RequestStream(Actor):
                     generated=len(generated),
                 )
                 rid = f"{original.rid}-m{opts.migration_limit - migrations_left}"
-                if offer is not None and generated:
-                    live = offer
-                    request = _continuation(original, generated[:-1], rid, offer.bootstrap)
+                if self._live is not None:
+                    request = _continuation(original, generated[:-1], rid, self._live.bootstrap)
                 else:
                     request = _continuation(original, generated, rid)
 
@@ -292,12 +305,11 @@ class RequestStream(Actor):
             finally:
                 self._done(routed)
 
-    def _fall_back(self, live: _Handover, error: RequestError) -> None:
-        LIVE_MIGRATIONS.labels(self.options.model, "fallback").inc()
-        _log.info("live migration failed: replaying", rid=live.rid, error=error.code)
-        # Fire and forget: the draining worker frees the KV it kept (once its room is terminal).
+    def _release(self, offer: _Handover) -> None:
+        """Tell the draining worker to free the KV it kept for us (once its room is terminal;
+        a no-op if the new worker already took it). Fire and forget."""
         try:
-            live.source.engine.tell_nowait(control.Abort(live.rid))
+            offer.source.engine.tell_nowait(control.Abort(offer.rid))
         except ActorError:
             pass
 

@@ -152,15 +152,17 @@ async def test_no_room_on_the_target_falls_back_to_replay() -> None:
     assert (_live("fallback") - fallback, _live("success") - success) == (4, 0)
 
 
-async def test_failed_transfer_falls_back_to_replay() -> None:
+async def test_failed_or_corrupted_transfer_falls_back_to_replay() -> None:
     prompts = _prompts(8)
     async with serving_tree(**DISAGG, engine_args=SLOW) as tree:
         async with httpx.AsyncClient(base_url=tree.url) as client:
             expected = await _run(client, prompts, 150, anyio.Event())
             await _quiet(tree)
             fallback, success = _live("fallback"), _live("success")
-            # The next three KV transfers into decode-1 fail, as a lost NIXL connection would.
-            await tree.engine("decode-1").ask(control.InjectFault("fail_kv", 3))
+            # Of the next KV transfers into decode-1, two fail (as a lost NIXL connection would)
+            # and one arrives with a flipped byte (its verification fails).
+            await tree.engine("decode-1").ask(control.InjectFault("fail_kv", 2))
+            await tree.engine("decode-1").ask(control.InjectFault("corrupt_kv", 1))
             got, before = await _drain_running(tree, client, prompts, 150)
         await _quiet(tree)
         prefill = await tree.engine_stats("prefill-0")
