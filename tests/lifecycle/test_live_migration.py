@@ -14,9 +14,9 @@ from protocols import control
 from protocols.engine import MemoryTag
 from supervisors._lifecycle import DrainWorker, Release, Resume, WorkerStates
 from tests.helpers.serving import Tree, serving_tree
+from tests.serving.test_disaggregated import DISAGG, _quiet
 from tests.serving.test_e2e import _stream_text
 
-DISAGG: dict[str, Any] = {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 2}
 # Real time per step, so the drain finds every request mid-generation.
 SLOW: dict[str, Any] = {"timing": {"speedup": 1.0}}
 
@@ -84,18 +84,6 @@ async def _drain_running(
     finally:
         table.set_draining("decode-1", False)
     return out, before
-
-
-async def _quiet(tree: Tree) -> None:
-    """No request, page, transfer page or hand-over left on any worker."""
-    with anyio.fail_after(15):
-        for worker in tree.serving.roles:
-            while True:
-                s = await tree.engine_stats(worker)
-                idle = s.engine_in_flight == 0 and s.kv_used_blocks == 0 and s.quiescent
-                if idle and s.transfer_pages == 0 and s.handovers_open == 0:
-                    break
-                await anyio.sleep(0.02)
 
 
 async def test_live_migration_of_16_running_requests_needs_no_prefill() -> None:
