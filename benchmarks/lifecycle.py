@@ -5,11 +5,13 @@ migration vs token replay), drain time, and release/resume orchestration overhea
 
 A disaggregated serving tree runs in this process (one prefill and two decode mock engines in
 child processes, the default timing model, KV over NIXL). Requests with a 4k-token context all
-decode on decode-0, which is then drained four times over: twice with live KV migration (the
+decode on decode-0, which is then drained under them: twice with live KV migration (the
 default; the first is the worker pair's first hand-over, reported apart), with token replay
-(``live=False``) while the prefill worker still caches the contexts, and with token replay
-after its cache was flushed (the whole context is prefilled again). A request's migration gap
-is its longest client-side token gap around the drain.
+(``live=False``) while the prefill worker still caches the contexts, with token replay after
+its cache was flushed (the whole context is prefilled again), and three times more with live
+migration of a lone request. A request's migration gap is its longest client-side token gap
+around the drain. The HTTP client runs in the serving process too (as in every benchmark
+here), so on a small machine concurrent migrations queue for its CPU.
 
 Prints a table, then one JSON line with live_migration_gap_ms_p50,
 live_migration_first_gap_ms_p50, replay_migration_gap_ms_p50 (the full re-prefill),
@@ -108,14 +110,14 @@ class Bench:
             table.set_draining("decode-1", False)
             if flush:
                 assert await self.engine("prefill-0").ask(control.FlushCache())
-            started = time.perf_counter()
+            drained_at = time.perf_counter()
             await self.lifecycle.ask(DrainWorker("decode-0", live=live), timeout=None)
-            drain_s = time.perf_counter() - started
+            drain_s = time.perf_counter() - drained_at
         await self.lifecycle.ask(UndrainWorker("decode-0"), timeout=None)
         migration, normal = [], []
         for times in streams:
             gaps = [(b - a, b) for a, b in itertools.pairwise(times)]
-            around = [g for g, end in gaps if started < end < started + WINDOW_S]
+            around = [g for g, end in gaps if drained_at < end < drained_at + WINDOW_S]
             migration.append(max(around))
             normal.append(statistics.median(g for g, _ in gaps))
         return {"migration": migration, "normal": normal, "drain_s": drain_s}
