@@ -8,8 +8,9 @@ decode worker may instead offer the request's KV (an output whose ``disaggregate
 room on it, before the migratable error): the next decode worker then receives that KV and goes
 on from the newest token with no prefill (live migration; its first output repeats that token,
 which is dropped), and if that fails before its first output, the same migration falls back to
-token replay. A client cancel aborts the engine request and is never migrated. Each output must arrive within the stall
-timeout and the whole request within its deadline, so no request hangs after a worker was chosen.
+token replay. A client cancel aborts the engine request and is never migrated. Each output must
+arrive within the stall timeout and the whole request within its deadline, so no request hangs
+after a worker was chosen.
 """
 
 from __future__ import annotations
