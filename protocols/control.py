@@ -71,7 +71,8 @@ class IsQuiescent:
 
 @attrs.frozen
 class WaitQuiescent:
-    pass
+    """A stream request (not an ask, so the engine actor's mailbox keeps serving meanwhile):
+    the stream ends, with no item, once the engine is quiescent."""
 
 
 @attrs.frozen
@@ -88,15 +89,25 @@ class GetStats:
 class Drain:
     """Stop admitting: new streams fail with ``WorkerDraining``; with ``handover`` the running
     ones are aborted and end with ``WorkerDraining`` too (so their request streams migrate them),
-    never with a ``cancelled`` finish."""
+    never with a ``cancelled`` finish.
+
+    With ``live`` (and not ``shutdown``), a decode worker that can hand its KV over keeps each
+    decoding request's pages and ends its stream with one more output whose
+    ``disaggregated_params`` name a room of its KV bootstrap endpoint: the next decode worker
+    reads the KV from there and continues without a prefill (live migration). Requests it
+    cannot hand over that way are aborted for token replay."""
 
     handover: bool = True
     shutdown: bool = False  # end handed-over streams with EngineShutdown instead
+    live: bool = True
 
 
 @attrs.frozen
 class Undrain:
-    pass
+    """Admit requests again; with ``continue_generation``, first continue a paused engine (one
+    round trip where a resume needs both)."""
+
+    continue_generation: bool = False
 
 
 @attrs.frozen
@@ -142,6 +153,12 @@ class EngineStats:
     engine_in_flight: int = -1  # requests the engine itself still tracks; -1: unknown
     pid: int = 0  # the engine process
     admitting: bool = True
+    prefill_tokens: int = -1  # tokens the engine computed by prefill; -1: unknown
+    kv_received_tokens: int = -1  # tokens whose KV arrived by transfer instead; -1: unknown
+    handovers_live: int = 0  # drained requests offered to the next worker with their KV
+    handovers_replay: int = 0  # drained requests aborted for token replay
+    handovers_open: int = 0  # live hand-overs whose KV has not been read (or given up) yet
+    transfer_pages: int = 0  # pages the KV bridge holds for transfers now (0 when idle)
 
 
 for _cls in (

@@ -92,7 +92,10 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A tokenised request, as Dynamo's frontend hands it to a worker.
 
     ``rid`` is submitted to the engine as its request id, so an abort is addressable before the
-    first token.
+    first token. ``live_migration`` marks a decode request whose KV (every token but the last)
+    comes from a draining decode worker through ``bootstrap_info``: the engine admits it at once
+    or fails it with ``KVTransferError`` (never queues it), so its request stream can fall back
+    to token replay without waiting; its first output repeats the last token.
     """
 
     rid: str
@@ -104,6 +107,7 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     routing: RoutingHints | None = None
     model: str | None = None
     health_check: bool = False
+    live_migration: bool = False
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -144,7 +148,9 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     max_batch_tokens: int
     context_length: int
     dp_size: int = 1
-    bootstrap: BootstrapInfo | None = None  # room unused (0); set on prefill workers
+    # Where other workers read this one's KV (room unused, 0): a prefill worker's bootstrap
+    # endpoint, or a decode worker's for live migration when it drains.
+    bootstrap: BootstrapInfo | None = None
     kv_events_endpoints: tuple[str, ...] = ()  # one per data-parallel rank
     kv_events_replay_endpoints: tuple[str, ...] = ()  # ROUTER replay, one per rank (or none)
     metrics_endpoint: str | None = None

@@ -91,7 +91,12 @@ def control_app(lifecycle: ActorRef[Any], token: str, shutdown: Callable[[], Non
 
     async def drain(body: dict[str, Any]) -> None:
         await lifecycle.ask(
-            DrainWorker(str(body["worker"]), bool(body.get("handover", True))), timeout=None
+            DrainWorker(
+                str(body["worker"]),
+                bool(body.get("handover", True)),
+                bool(body.get("live", True)),
+            ),
+            timeout=None,
         )
 
     async def undrain(body: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ import attrs
 import structlog
 from prometheus_client import Counter, Gauge
 
-from actors import Actor, ActorError, ReplyError
+from actors import Actor, ActorError, ActorRef, ReplyError
 from actors.telemetry import REGISTRY
 from protocols import control
 from protocols.engine import DEFAULT_RELEASE_TAGS, MemoryTag, PauseMode
@@ -75,6 +75,7 @@ class LifecycleError(ReplyError):
 class DrainWorker:
     worker: str
     handover: bool = True
+    live: bool = True  # a decode worker hands its KV over (live migration) where it can
 
 
 @attrs.frozen
@@ -100,6 +101,13 @@ class Resume:
 @attrs.frozen
 class WorkerStates:
     pass
+
+
+async def wait_quiescent(engine: ActorRef[Any]) -> None:
+    """Return once the engine actor's engine is quiescent (see ``control.WaitQuiescent``)."""
+    async with engine.stream(control.WaitQuiescent(), buffer=1) as replies:
+        async for _ in replies:
+            pass
 
 
 class _Stage:
@@ -141,8 +149,8 @@ class Lifecycle(Actor):
 
     async def receive(self, message: Any) -> Any:
         match message:
-            case DrainWorker(worker=worker, handover=handover):
-                await self.drain(worker, handover=handover)
+            case DrainWorker(worker=worker, handover=handover, live=live):
+                await self.drain(worker, handover=handover, live=live)
             case UndrainWorker(worker=worker):
                 await self.undrain(worker)
             case Release(worker=worker, pool=pool, tags=tags, rolling=rolling):
@@ -206,8 +214,11 @@ class Lifecycle(Actor):
 
     # -- drain -----------------------------------------------------------------------------
 
-    async def drain(self, worker: str, *, handover: bool = True, operation: str = "drain") -> None:
-        """Unregister, wait the grace period, stop admission and hand over (or drain) in-flight."""
+    async def drain(
+        self, worker: str, *, handover: bool = True, live: bool = True, operation: str = "drain"
+    ) -> None:
+        """Unregister, wait the grace period, stop admission and hand over (or drain) in-flight:
+        with ``live``, a decode worker's requests move with their KV where they can."""
         entry = self._entry(worker)
         budgets = self.budgets
         with _Stage(operation, "unregister", worker=worker):
@@ -216,13 +227,13 @@ class Lifecycle(Actor):
         with _Stage(operation, "grace", worker=worker):
             await anyio.sleep(grace)
         with _Stage(operation, "stop_admission", worker=worker, handover=handover):
-            await entry.engine.ask(control.Drain(handover=handover))
+            await entry.engine.ask(control.Drain(handover=handover, live=live))
         with _Stage(operation, "drain", worker=worker):
             with anyio.move_on_after(budgets.drain) as scope:
-                await entry.engine.ask(control.WaitQuiescent(), timeout=None)
+                await wait_quiescent(entry.engine)
             if scope.cancelled_caught:
                 # Out of budget: hand over what is left rather than wait longer.
-                await entry.engine.ask(control.Drain(handover=True))
+                await entry.engine.ask(control.Drain(handover=True, live=live))
 
     async def undrain(self, worker: str) -> None:
         entry = self._entry(worker)
@@ -291,8 +302,7 @@ class Lifecycle(Actor):
 
     async def _serve_again(self, entry: WorkerEntry) -> None:
         with _Stage("resume", "continue", worker=entry.id):
-            await entry.engine.ask(control.ContinueGeneration())
-            await entry.engine.ask(control.Undrain())
+            await entry.engine.ask(control.Undrain(continue_generation=True))
             entry.paused = False
         with _Stage("resume", "register", worker=entry.id):
             self.serving.table.set_draining(entry.id, False)

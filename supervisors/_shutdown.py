@@ -19,7 +19,7 @@ import structlog
 
 from actors import ActorError
 from protocols import control
-from supervisors._lifecycle import Budgets, _Stage
+from supervisors._lifecycle import Budgets, _Stage, wait_quiescent
 
 if TYPE_CHECKING:
     from actors.serving import Serving
@@ -85,6 +85,6 @@ async def shutdown_serving(serving: Serving, budgets: Budgets) -> None:
             for entry in list(serving.table.workers.values()):
                 if entry.role == "prefill":
                     try:
-                        await entry.engine.ask(control.WaitQuiescent(), timeout=None)
+                        await wait_quiescent(entry.engine)
                     except ActorError:
                         pass

@@ -3,9 +3,14 @@
 It routes the request, streams the engine's outputs to the client, and on a *migratable* error
 (worker death, drain, shutdown, a stalled or truncated stream) re-dispatches it to another worker
 with the prompt plus every token generated so far, ``max_tokens``/``min_tokens`` reduced and the
-same seed, up to the migration limit: the client sees one uninterrupted stream. A client cancel
-aborts the engine request and is never migrated. Each output must arrive within the stall
-timeout and the whole request within its deadline, so no request hangs after a worker was chosen.
+same seed, up to the migration limit: the client sees one uninterrupted stream. A draining
+decode worker may instead offer the request's KV (an output whose ``disaggregated_params`` name a
+room on it, before the migratable error): the next decode worker then receives that KV and goes
+on from the newest token with no prefill (live migration; its first output repeats that token,
+which is dropped), and if that fails before its first output, the same migration falls back to
+token replay. A client cancel aborts the engine request and is never migrated. Each output must
+arrive within the stall timeout and the whole request within its deadline, so no request hangs
+after a worker was chosen.
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ from actors import Actor, ActorError, ActorRef, ExitReason
 from actors.serving._router import Route, Routed
 from actors.serving._routing import RoutingTable
 from actors.telemetry import REGISTRY
-from protocols.engine import EngineOutput, PreprocessedRequest, StopConditions, Usage
+from protocols import control
+from protocols.engine import (
+    BootstrapInfo,
+    EngineOutput,
+    PreprocessedRequest,
+    StopConditions,
+    Usage,
+)
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
@@ -60,6 +72,13 @@ FALLBACKS = Counter(
     ["model"],
     registry=REGISTRY,
 )
+LIVE_MIGRATIONS = Counter(
+    "actorserve_live_migration",
+    "Requests a draining decode worker handed over with their KV: continued on the new worker "
+    "(success) or replayed from their tokens instead (fallback).",
+    ["model", "outcome"],
+    registry=REGISTRY,
+)
 CANCELLATIONS = Counter(
     "actorserve_cancellation", "Requests cancelled by their client.", ["model"], registry=REGISTRY
 )
@@ -86,6 +105,9 @@ class RequestStream(Actor):
         self.router = router
         self.options = options
         self.table = table
+        # A draining worker's offer of this request's KV, until an attempt took it (or it is
+        # given back: on every other way out, the worker is told to free it).
+        self._live: _Handover | None = None
 
     async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
         if not isinstance(message, PreprocessedRequest):
@@ -101,6 +123,8 @@ class RequestStream(Actor):
             CANCELLATIONS.labels(self.options.model).inc()
             raise
         finally:
+            if self._live is not None:
+                self._release(self._live)
             self.stop(ExitReason.normal())
 
     async def _serve(self, original: PreprocessedRequest) -> AsyncGenerator[EngineOutput, None]:
@@ -114,8 +138,11 @@ class RequestStream(Actor):
         request = original
         while True:
             routed: Routed | None = None
+            offer: _Handover | None = None
             try:
-                if opts.disaggregated:
+                if self._live is not None:  # continue from the handed-over KV
+                    routed = await self.router.ask(Route(request, tuple(excluded), role="decode"))
+                elif opts.disaggregated:
                     routed, request = await self._dispatch_prefill(
                         request, tuple(excluded), deadline
                     )
@@ -130,14 +157,36 @@ class RequestStream(Actor):
                                 time.monotonic() - failed_at
                             )
                             failed_at = None
+                        if self._live is not None:
+                            output = _drop_repeated(output, generated)
+                            LIVE_MIGRATIONS.labels(opts.model, "success").inc()
+                            self._live = None
+                        if output.disaggregated_params is not None and not output.finished:
+                            # A draining decode worker: where this request's KV waits for us.
+                            offer = _Handover(routed, request.rid, output.disaggregated_params)
+                            output = msgspec.structs.replace(output, disaggregated_params=None)
                         generated.extend(output.token_ids)
                         if output.finish_reason is not None:
                             yield _final(output, original, generated)
                             return
-                        yield output
+                        if output.token_ids:
+                            yield output
                 raise StreamIncomplete("the engine stream ended without a finish reason")
             except (RequestError, ActorError) as exc:
                 error = _typed(exc)
+                if self._live is not None:
+                    # The live migration failed before its first output (no room, transfer
+                    # failed, ...): the same migration goes on as a token replay.
+                    LIVE_MIGRATIONS.labels(opts.model, "fallback").inc()
+                    _log.info("live migration failed", rid=original.rid, error=error.code)
+                    self._release(self._live)
+                    self._live = None
+                    request = _continuation(original, generated, f"{request.rid}r")
+                    continue
+                if offer is not None and generated:
+                    self._live = offer
+                elif offer is not None:
+                    self._release(offer)
                 if not error.migratable:
                     raise error from None
                 refusal = _refuse_migration(original)
@@ -167,7 +216,11 @@ class RequestStream(Actor):
                     error=error.code,
                     generated=len(generated),
                 )
-                request = _continuation(original, generated, opts.migration_limit - migrations_left)
+                rid = f"{original.rid}-m{opts.migration_limit - migrations_left}"
+                if self._live is not None:
+                    request = _continuation(original, generated[:-1], rid, self._live.bootstrap)
+                else:
+                    request = _continuation(original, generated, rid)
 
     async def _route(self, route: Route, deadline: float, *, retrying: bool) -> Routed:
         """Ask the router; while migrating, wait (within the deadline) for a worker of the role to
@@ -253,6 +306,14 @@ class RequestStream(Actor):
             finally:
                 self._done(routed)
 
+    def _release(self, offer: _Handover) -> None:
+        """Tell the draining worker to free the KV it kept for us (once its room is terminal;
+        a no-op if the new worker already took it). Fire and forget."""
+        try:
+            offer.source.engine.tell_nowait(control.Abort(offer.rid))
+        except ActorError:
+            pass
+
     def _done(self, routed: Routed) -> None:
         # Fire and forget: this runs while a cancellation may be unwinding us.
         try:
@@ -276,13 +337,34 @@ def _refuse_migration(request: PreprocessedRequest) -> str | None:
     return None
 
 
-def _continuation(
-    original: PreprocessedRequest, generated: list[int], attempt: int
-) -> PreprocessedRequest:
-    """The request that continues ``original`` after ``generated`` tokens elsewhere.
+@attrs.frozen
+class _Handover:
+    """A draining decode worker's offer: request ``rid``'s KV, readable at ``bootstrap``."""
 
-    Each attempt gets its own engine request id: a migration may land on the same worker while
-    the aborted attempt is still being torn down there."""
+    source: Routed
+    rid: str
+    bootstrap: BootstrapInfo
+
+
+def _drop_repeated(output: EngineOutput, generated: list[int]) -> EngineOutput:
+    """A live migration's first output, less the token it repeats (the newest before the hand-
+    over: its KV was not handed over, so the new worker computes it again)."""
+    if not output.token_ids or output.token_ids[0] != generated[-1]:
+        raise KVTransferError("the live-migrated request did not resume where it stopped")
+    return msgspec.structs.replace(output, token_ids=output.token_ids[1:])
+
+
+def _continuation(
+    original: PreprocessedRequest,
+    generated: list[int],
+    rid: str,
+    live: BootstrapInfo | None = None,
+) -> PreprocessedRequest:
+    """The request that continues ``original`` after ``generated`` tokens elsewhere; with
+    ``live``, from the KV of ``original`` plus ``generated`` handed over at that room.
+
+    Each attempt gets its own engine request id ``rid``: a migration may land on the same
+    worker while the aborted attempt is still being torn down there."""
     stop = original.stop_conditions
     done = len(generated)
     conditions = StopConditions(
@@ -294,10 +376,11 @@ def _continuation(
     )
     return msgspec.structs.replace(
         original,
-        rid=f"{original.rid}-m{attempt}",
+        rid=rid,
         token_ids=[*original.token_ids, *generated],
         stop_conditions=conditions,
-        bootstrap_info=None,
+        bootstrap_info=live,
+        live_migration=live is not None,
     )
 
 

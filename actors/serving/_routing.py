@@ -87,19 +87,22 @@ class RoutingTable:
         self._notify()
 
     def _introduce(self, worker_id: str) -> None:
-        """Pre-warm KV transfer: decode workers meet every prefill worker when either registers,
+        """Pre-warm KV transfer: decode workers meet every worker whose KV they may read (each
+        prefill worker, and each other decode worker for live migration) when either registers,
         so no NIXL metadata exchange ever happens on a request's path."""
         from actors.kv import bootstrap_endpoint
 
         new = self.workers[worker_id]
-        prefills = [
-            w for w in self.workers.values() if w.role == "prefill" and w.capacity.bootstrap
+        sources = [
+            w
+            for w in self.workers.values()
+            if w.role in ("prefill", "decode") and w.capacity.bootstrap
         ]
         decodes = [w for w in self.workers.values() if w.role == "decode"]
-        pairs = [(d, p) for d in decodes for p in prefills if new in (d, p)]
-        for decode, prefill in pairs:
-            assert prefill.capacity.bootstrap is not None
-            endpoint = bootstrap_endpoint(prefill.capacity.bootstrap)
+        pairs = [(d, p) for d in decodes for p in sources if d is not p and new in (d, p)]
+        for decode, source in pairs:
+            assert source.capacity.bootstrap is not None
+            endpoint = bootstrap_endpoint(source.capacity.bootstrap)
             try:
                 decode.engine.tell_nowait(control.ConnectPeer(endpoint))
             except ActorError:

@@ -11,12 +11,21 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+import anyio.abc
 import msgspec
 
 from actors import Actor, ExitReason, ReplyError
 from actors.worker._kvbridge import KVBridge, needs_transfer
 from protocols import control as c
-from protocols.engine import Engine, EngineOutput, MemoryTag, PauseMode, PreprocessedRequest
+from protocols.engine import (
+    BootstrapInfo,
+    Engine,
+    EngineOutput,
+    MemoryTag,
+    PauseMode,
+    PreprocessedRequest,
+)
 from protocols.errors import EngineFailure, EngineShutdown, RequestError, WorkerDraining
 
 __all__ = ["EngineHost", "InjectedCrash", "build_engine"]
@@ -56,6 +65,8 @@ class EngineHost(Actor):
         self.config = config
         self.worker_id = worker_id or f"worker-{os.getpid()}"
         self.bridge: KVBridge | None = None
+        self._bridge_closing: anyio.Event | None = None  # the bridge's task: close it
+        self._bridge_closed: anyio.Event | None = None  # the bridge's task: it is closed
         self.engine: Engine | None = None
         self.running = 0
         self.finished = 0
@@ -63,7 +74,9 @@ class EngineHost(Actor):
         self._capacity: Any = None
         self.admitting = True
         self._running: set[str] = set()
-        self._handed_over: dict[str, RequestError] = {}
+        # A drained request's error, and where its KV can be read (a live hand-over) or None.
+        self._handed_over: dict[str, tuple[RequestError, BootstrapInfo | None]] = {}
+        self._handovers = {"live": 0, "replay": 0}
         self._faults: dict[str, int] = {}
 
     async def started(self) -> None:
@@ -86,13 +99,28 @@ class EngineHost(Actor):
         if self.backend == "sglang" or role not in ("prefill", "decode") or self.bridge is not None:
             return
         bridge = KVBridge(self.engine, role, self.worker_id, self._take_fault)
-        await bridge.__aenter__()
-        self.bridge = bridge
+        self.bridge = await self.task_group.start(self._keep_bridge, bridge)
+
+    async def _keep_bridge(
+        self, bridge: KVBridge, *, task_status: anyio.abc.TaskStatus[KVBridge]
+    ) -> None:
+        # The bridge lives in a task of its own: its task groups must be entered and exited by
+        # one task, and not from a handler (a remote ask runs in a cancel scope of its own).
+        closing = self._bridge_closing = anyio.Event()
+        closed = self._bridge_closed = anyio.Event()
+        try:
+            async with bridge:
+                task_status.started(bridge)
+                await closing.wait()
+        finally:
+            closed.set()
 
     async def _close_bridge(self) -> None:
         bridge, self.bridge = self.bridge, None
         if bridge is not None:
-            await bridge.__aexit__(None, None, None)
+            assert self._bridge_closing is not None and self._bridge_closed is not None
+            self._bridge_closing.set()
+            await self._bridge_closed.wait()
 
     async def receive(self, message: Any) -> Any:
         engine = self.engine
@@ -108,7 +136,9 @@ class EngineHost(Actor):
                 if self.bridge is not None:
                     await self.bridge.connect(endpoint)
             case c.Abort(rid=rid):
-                await engine.abort(rid)
+                # A handed-over request's pages go once its room is terminal, not before.
+                if self.bridge is None or not self.bridge.abort_handover(rid):
+                    await engine.abort(rid)
             case c.Pause(mode=mode):
                 self._fault("pause")
                 await engine.pause(mode)
@@ -124,9 +154,11 @@ class EngineHost(Actor):
                 await engine.resume_memory(tags)
                 if MemoryTag.KV_CACHE in tags:
                     await self._open_bridge()  # a new buffer: register it again
-            case c.Drain(handover=handover, shutdown=shutdown):
-                await self._drain(handover, shutdown)
-            case c.Undrain():
+            case c.Drain(handover=handover, shutdown=shutdown, live=live):
+                await self._drain(handover, shutdown, live and not shutdown)
+            case c.Undrain(continue_generation=continue_generation):
+                if continue_generation:
+                    await engine.continue_generation()
                 self.admitting = True
             case c.InjectFault(operation=operation, count=count):
                 self._faults[operation] = self._faults.get(operation, 0) + count
@@ -134,11 +166,6 @@ class EngineHost(Actor):
                 return await engine.flush_cache()
             case c.IsQuiescent():
                 return engine.is_quiescent()
-            case c.WaitQuiescent():
-                waiter = getattr(engine, "wait_quiescent", None)
-                if waiter is None:
-                    raise ReplyError("this engine cannot wait for quiescence")
-                await waiter()
             case c.GetHealthPayload():
                 self._fault("health")
                 return engine.health_payload()
@@ -157,6 +184,12 @@ class EngineHost(Actor):
                     engine_in_flight=getattr(native, "in_flight", -1),
                     pid=os.getpid(),
                     admitting=self.admitting,
+                    prefill_tokens=getattr(native, "prefill_tokens", -1),
+                    kv_received_tokens=getattr(native, "kv_received_tokens", -1),
+                    handovers_live=self._handovers["live"],
+                    handovers_replay=self._handovers["replay"],
+                    handovers_open=self.bridge.handovers_open if self.bridge else 0,
+                    transfer_pages=self.bridge.transfer_pages() if self.bridge else 0,
                 )
             case _:
                 return await super().receive(message)
@@ -189,7 +222,7 @@ class EngineHost(Actor):
         if self._take_fault(operation):
             raise EngineFailure(f"injected fault in {operation}")
 
-    async def _drain(self, handover: bool, shutdown: bool) -> None:
+    async def _drain(self, handover: bool, shutdown: bool, live: bool) -> None:
         self.admitting = False
         if not handover:
             return
@@ -199,9 +232,15 @@ class EngineHost(Actor):
             else WorkerDraining("the worker is draining")
         )
         assert self.engine is not None
+        bridge = self.bridge if live else None
         for rid in list(self._running):
-            self._handed_over[rid] = error
-            await self.engine.abort(rid)
+            if rid in self._handed_over:
+                continue  # a drain again: already on its way out
+            offer = bridge.hand_over(rid) if bridge is not None else None
+            self._handed_over[rid] = (error, offer)
+            self._handovers["replay" if offer is None else "live"] += 1
+            if offer is None:
+                await self.engine.abort(rid)
 
     def _outputs(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         assert self.engine is not None
@@ -213,6 +252,14 @@ class EngineHost(Actor):
         return self.engine.generate(request)
 
     async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
+        if isinstance(message, c.WaitQuiescent):
+            # A stream, not an ask: a drain may take long, and the mailbox must keep serving
+            # meanwhile (aborts of handed-over requests, health checks, statistics).
+            waiter = getattr(self.engine, "wait_quiescent", None)
+            if waiter is None:
+                raise ReplyError("this engine cannot wait for quiescence")
+            await waiter()
+            return
         if not isinstance(message, PreprocessedRequest):
             raise ReplyError(f"expected a PreprocessedRequest, got {type(message).__name__}")
         assert self.engine is not None
@@ -229,10 +276,12 @@ class EngineHost(Actor):
                 handed_over = self._handed_over.pop(rid, None) if output.finish_reason else None
                 if handed_over is not None and output.finish_reason == "cancelled":
                     # Our own abort for a drain: never let it look like a client cancel
-                    # (Dynamo's PR #13952). Deliver its tokens, then the migratable error.
-                    if output.token_ids:
-                        yield EngineOutput(token_ids=output.token_ids)
-                    raise handed_over
+                    # (Dynamo's PR #13952). Deliver its tokens (and where its KV waits, for a
+                    # live hand-over), then the migratable error.
+                    error, offer = handed_over
+                    if output.token_ids or offer is not None:
+                        yield EngineOutput(token_ids=output.token_ids, disaggregated_params=offer)
+                    raise error
                 yield output
         finally:
             self.running -= 1

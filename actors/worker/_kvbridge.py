@@ -15,6 +15,14 @@ over it. How an engine's KV meets that pool is the engine's :class:`EngineTransf
 In both, a request's room is opened *before* its first output is published, and the prefill
 stream ends only once the transfer reached a terminal state. Engines with their own transfer
 (SGLang's NIXL connector) never get a bridge.
+
+Live migration (a drain): a decode worker whose transfer can :class:`HandOver` also runs a
+:class:`~actors.kv.PrefillKV` over its own pages, under a second NIXL agent (one agent cannot be
+both a decode peer and a prefill peer of the same worker: each side loads and drops its peers'
+agents on its own, and prefill's housekeeping would take decode's notifications). On a drain,
+:meth:`KVBridge.hand_over` stops a decoding request, opens a room there and publishes it; the
+next decode worker receives the KV through its ordinary decode path, so the transfer, the page
+ownership rules and the verification are the prefill -> decode ones.
 """
 
 from __future__ import annotations
@@ -22,18 +30,23 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import anyio
+import anyio.abc
 import msgspec
+import structlog
 
 from actors.engines import FAKE_BOOTSTRAP_HOST
-from protocols.engine import Capacity, EngineOutput, PreprocessedRequest
-from protocols.errors import KVTransferError
+from protocols.engine import BootstrapInfo, Capacity, EngineOutput, PreprocessedRequest
+from protocols.errors import KVTransferError, RequestError
 
 if TYPE_CHECKING:  # actors.kv is imported where a bridge opens: only bridged workers need NIXL
-    from actors.kv import KVPool, PageAllocation, PrefillRoom, ReceivedKV
+    from actors.kv import KVPool, PageAllocation, PrefillKV, PrefillRoom, ReceivedKV
 
-__all__ = ["EngineTransfer", "KVBridge", "MockTransfer", "Receive", "needs_transfer"]
+__all__ = ["EngineTransfer", "HandOver", "KVBridge", "MockTransfer", "Receive", "needs_transfer"]
+
+_log = structlog.get_logger("actorserve.kv")
 
 
 def needs_transfer(request: PreprocessedRequest) -> bool:
@@ -68,8 +81,27 @@ class EngineTransfer(Protocol):
         ...
 
 
+@runtime_checkable
+class HandOver(Protocol):
+    """What a decode engine's transfer adds for live migration."""
+
+    def source_pool(self) -> KVPool:
+        """The pages of :meth:`EngineTransfer.pool` again, for the hand-over side's own agent."""
+        ...
+
+    def hand_over(self, rid: str) -> list[int] | None:
+        """Stop decoding ``rid`` and hold its KV: its pages (every token but the newest), or
+        ``None`` when it cannot be handed over (it is not decoding)."""
+        ...
+
+    def release(self, rid: str) -> None:
+        """The hand-over of ``rid`` is terminal (sent or given up): free its pages."""
+        ...
+
+
 class KVBridge:
-    """One worker's NIXL side: a PrefillKV or DecodeKV over its engine's transfer pool."""
+    """One worker's NIXL side: a PrefillKV or DecodeKV over its engine's transfer pool (plus,
+    on a decode worker that can hand over, a PrefillKV for live migration)."""
 
     def __init__(
         self, engine: Any, role: str, worker_id: str, fault: Callable[[str], bool] = lambda _: False
@@ -82,6 +114,9 @@ class KVBridge:
         self.service: Any = None
         self.pool: KVPool | None = None
         self.endpoint: str | None = None
+        self.source: PrefillKV | None = None  # decode: where a drain's KV is read from
+        self._senders: anyio.abc.TaskGroup | None = None
+        self._handovers: dict[str, PrefillRoom] = {}
 
     async def __aenter__(self) -> KVBridge:
         from actors.kv import DecodeKV, NixlAgent, PrefillKV
@@ -100,7 +135,26 @@ class KVBridge:
             self.service = await self._stack.enter_async_context(
                 DecodeKV(agent, pool, worker_id=self.worker_id)
             )
+            if isinstance(self.transfer, HandOver):
+                await self._open_source(self.transfer)
         return self
+
+    async def _open_source(self, transfer: HandOver) -> None:
+        from actors.kv import NixlAgent, PrefillKV
+
+        pool = transfer.source_pool()
+        agent = NixlAgent(f"handover-{self.worker_id}-{os.getpid()}")
+        self._stack.callback(agent.close)
+        self._stack.callback(pool.close)
+        path = f"ipc:///tmp/actorserve-kvh-{os.getpid()}-{self.worker_id}.sock"
+        self.source = await self._stack.enter_async_context(
+            PrefillKV(agent, pool, endpoint=path, worker_id=self.worker_id)
+        )
+        self.endpoint = self.source.endpoint
+        # LIFO: on exit the senders are cancelled (each settles its room and frees its pages)
+        # while the source service is still open.
+        self._senders = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.callback(self._senders.cancel_scope.cancel)
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
@@ -112,6 +166,50 @@ class KVBridge:
         from actors.kv import bootstrap_info
 
         return msgspec.structs.replace(capacity, bootstrap=bootstrap_info(self.endpoint, 0))
+
+    def transfer_pages(self) -> int:
+        """Pages the bridge holds for transfers now (received, quarantined); 0 when idle."""
+        return self.pool.statistics().pages_in_use if self.pool is not None else 0
+
+    @property
+    def handovers_open(self) -> int:
+        return len(self._handovers)
+
+    def hand_over(self, rid: str) -> BootstrapInfo | None:
+        """Decode, a drain: stop decoding ``rid`` and offer its KV in a fresh room of the
+        source endpoint, opened before its triple is returned (the next decode worker's
+        ``bootstrap_info``). ``None`` when it cannot be handed over: abort it for a replay."""
+        transfer, source, senders = self.transfer, self.source, self._senders
+        if source is None or senders is None or not isinstance(transfer, HandOver):
+            return None
+        pages = transfer.hand_over(rid)
+        if pages is None:
+            return None
+        room = source.open_room()
+        self._handovers[rid] = room
+        senders.start_soon(self._send, rid, room, pages, name=f"hand over {rid}")
+        bootstrap: BootstrapInfo = room.bootstrap
+        return bootstrap
+
+    def abort_handover(self, rid: str) -> bool:
+        """Give up the hand-over of ``rid`` (its request went elsewhere): ``False`` if there is
+        none. The pages are freed once the room is terminal, never while a WRITE reads them."""
+        room = self._handovers.get(rid)
+        if room is None:
+            return False
+        room.abort(f"{rid}: the request continues elsewhere")
+        return True
+
+    async def _send(self, rid: str, room: PrefillRoom, pages: list[int]) -> None:
+        assert isinstance(self.transfer, HandOver)
+        try:
+            with room:
+                await room.send(pages)
+        except RequestError as exc:
+            _log.info("live migration KV not sent", rid=rid, error=str(exc))
+        finally:
+            del self._handovers[rid]
+            self.transfer.release(rid)
 
     async def connect(self, endpoint: str) -> None:
         """Decode: meet a prefill worker ahead of its first request (pre-warm)."""
@@ -172,11 +270,23 @@ class MockTransfer:
         self._pool: KVPool | None = None
 
     def pool(self) -> KVPool:
+        self._pool = self.source_pool()
+        return self._pool
+
+    def source_pool(self) -> KVPool:
         from actors.kv import KVPool
 
         memory = self.engine.kv_memory(0)
-        self._pool = KVPool.from_buffer(self.engine.kv_buffer(0), memory.block_bytes)
-        return self._pool
+        return KVPool.from_buffer(self.engine.kv_buffer(0), memory.block_bytes)
+
+    def hand_over(self, rid: str) -> list[int] | None:
+        if self.engine.config.dp_size != 1:
+            return None  # the bridge moves rank 0's pages only
+        pages = self.engine.hand_over(rid)
+        return None if pages is None else list(pages.block_ids)
+
+    def release(self, rid: str) -> None:
+        self.engine.release_transfer(rid)
 
     async def prefill(
         self, request: PreprocessedRequest, room: PrefillRoom

@@ -31,12 +31,13 @@ async def _run_all(
 
 
 async def _quiet(tree: Tree) -> None:
-    """No request, page or transfer left on any worker."""
+    """No request, page, transfer page or live hand-over left on any worker."""
     with anyio.fail_after(15):
         for worker in tree.serving.roles:
             while True:
-                stats = await tree.engine_stats(worker)
-                if stats.engine_in_flight == 0 and stats.kv_used_blocks == 0 and stats.quiescent:
+                s = await tree.engine_stats(worker)
+                idle = s.engine_in_flight == 0 and s.kv_used_blocks == 0 and s.quiescent
+                if idle and s.transfer_pages == 0 and s.handovers_open == 0:
                     break
                 await anyio.sleep(0.02)
 

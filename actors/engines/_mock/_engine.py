@@ -23,7 +23,7 @@ from actors.engines._mock._kvmem import (
     resolve_device,
 )
 from actors.engines._mock._publish import KvEventPublisher, MetricsPublisher
-from actors.engines._mock._request import EngineStream, MockRequest
+from actors.engines._mock._request import EngineStream, MockRequest, Phase
 from actors.engines._mock._scheduler import RankScheduler
 from actors.engines._mock._stats import IntrospectionMixin
 from actors.engines._mock._tokens import TokenModel
@@ -37,7 +37,13 @@ from protocols.engine import (
     SamplingOptions,
     StopConditions,
 )
-from protocols.errors import ContextLengthExceeded, EngineShutdown, InvalidRequest, RequestError
+from protocols.errors import (
+    ContextLengthExceeded,
+    EngineShutdown,
+    InvalidRequest,
+    KVTransferError,
+    RequestError,
+)
 
 __all__ = ["MockEngine", "MockEngineBusy"]
 
@@ -279,10 +285,14 @@ class MockEngine(TransferMixin, IntrospectionMixin):
             seed_word=self._tokens.seed_word(seed, greedy),
             bootstrap=bootstrap,
         )
+        sched = self._ranks[rank]
         if bootstrap is not None:
             req.transfer_ready = anyio.Event()
+            if request.live_migration and cfg.role == "decode" and not sched.admit_now(req):
+                raise KVTransferError(f"{req.rid}: no room for the migrated KV")
         self._requests[req.rid] = req
-        self._ranks[rank].submit(req)
+        if req.phase is Phase.WAITING:
+            sched.submit(req)
         return req
 
     def _pick_rank(self, request: PreprocessedRequest) -> int:

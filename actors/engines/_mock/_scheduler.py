@@ -78,6 +78,7 @@ class RankScheduler(LoopMixin):
         self._metrics_at = 0.0
         self.steps = self.prefill_tokens = self.generated = self.retractions = 0
         self.prompt_tokens = self.cached_tokens = 0
+        self.kv_received_tokens = self.handed_over = 0
         self.simulated_s = 0.0
         self.records: list[StepRecord] = []
 
@@ -235,6 +236,27 @@ class RankScheduler(LoopMixin):
 
     # -- planning -------------------------------------------------------------------------
 
+    def admit_now(self, req: MockRequest) -> bool:
+        """A live migration's request: admit it for its KV transfer at once, ahead of the queue,
+        or not at all (no slot or no blocks free now)."""
+        self._compact()
+        if self.paused or self.closed or not self.memory_ready:
+            return False
+        if len(self.running) >= self.cfg.max_running_requests or not self._admit(req, True):
+            return False
+        self.after_change()
+        return True
+
+    def hand_over(self, req: MockRequest) -> None:
+        """Decode, live migration: ``req`` (decoding) stops here; its stream ends ``cancelled``
+        and its KV stays owed to the transfer layer (see ``_hold``). The KV covers every token
+        but the newest: that one's KV is only computed by the next decode step."""
+        self.batch.leave(req)
+        write_partial(req, self.cfg.block_size, self.memory)
+        self.handed_over += 1
+        self._hold(req, "cancelled")
+        self.after_change()
+
     def _admit(self, req: MockRequest, transfer: bool) -> bool:
         cfg = self.cfg
         if transfer:
@@ -264,7 +286,6 @@ class RankScheduler(LoopMixin):
             self.cached_tokens += req.kv_len
         req.slot = heapq.heappop(self._free_slots)
         self.running.append(req)
-        self.waiting.popleft()
         return True
 
     def _grow_decoders(self) -> None:
@@ -303,6 +324,7 @@ class RankScheduler(LoopMixin):
                 break
             if not self._admit(req, transfer):
                 break
+            self.waiting.popleft()
             if not transfer:
                 n = min(len(req.seq) - req.kv_len, budget)
                 chunks.append((req, n))
@@ -373,16 +395,20 @@ class RankScheduler(LoopMixin):
         self.generated += 1
 
     def _owe(self, req: MockRequest, token: int | None, reason: FinishReason | None) -> None:
-        """Prefill role: the token (if any) goes out; the KV stays until the decode side took
-        it (``release_transfer``), is aborted, or the transfer times out."""
+        """Prefill role: the token (if any) goes out; the KV is owed to decode."""
         if token is not None:
             self._append(req, token)
+        req.disagg_params = req.bootstrap
+        self._hold(req, reason or "length")
+
+    def _hold(self, req: MockRequest, reason: FinishReason) -> None:
+        """End ``req``'s stream but keep its blocks: they stay until the transfer layer took
+        them (``release_transfer``), an abort, or ``transfer_timeout_s``."""
         heapq.heappush(self._free_slots, req.slot)
         req.slot = -1
         req.phase = Phase.OWED
         self._dirty = True
-        req.finish_reason = reason or "length"
-        req.disagg_params = req.bootstrap
+        req.finish_reason = reason
         req.deadline = anyio.current_time() + self.cfg.transfer_timeout_s
         self.owed[req.rid] = req
         self._urgent = True

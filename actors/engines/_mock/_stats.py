@@ -33,6 +33,8 @@ class RankStatistics(msgspec.Struct, frozen=True, kw_only=True):
     retractions: int
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    kv_received_tokens: int  # prompt tokens whose KV arrived by transfer (not computed here)
+    handed_over: int  # requests whose KV this rank handed over (live migration)
     simulated_s: float  # what the timing model charged for all steps
     kv_events_seq: int  # last KV event batch published (-1: none)
     pool: BlockPoolStatistics
@@ -51,6 +53,8 @@ class RankStatistics(msgspec.Struct, frozen=True, kw_only=True):
             retractions=sched.retractions,
             prompt_tokens=sched.prompt_tokens,
             cached_tokens=sched.cached_tokens,
+            kv_received_tokens=sched.kv_received_tokens,
+            handed_over=sched.handed_over,
             simulated_s=sched.simulated_s,
             kv_events_seq=sched.events.last_seq if sched.events is not None else -1,
             pool=sched.pool.statistics(),
@@ -65,6 +69,14 @@ class MockEngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def generated_tokens(self) -> int:
         return sum(r.generated_tokens for r in self.ranks)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(r.prefill_tokens for r in self.ranks)
+
+    @property
+    def kv_received_tokens(self) -> int:
+        return sum(r.kv_received_tokens for r in self.ranks)
 
     @property
     def used_blocks(self) -> int:

@@ -23,6 +23,10 @@ be touched. For a request ``req`` with ``req.bootstrap_info`` set (any host but
   and decoding continues, with the first token recomputed deterministically (it equals the one the
   prefill produced); on a mismatch the stream raises :class:`protocols.errors.KVCorrupted`.
 - Both sides number pages the same way: page ``i`` holds prompt tokens ``[i*bs, (i+1)*bs)``.
+
+Live migration reuses both halves: a draining decode worker's ``hand_over`` plays the prefill
+side (its pages owed until ``release_transfer``), and the next decode worker receives them for a
+``live_migration`` request, admitted at once or failed (``KVTransferError``), never queued.
 """
 
 from __future__ import annotations
@@ -64,13 +68,14 @@ class TransferMixin:
     def _find(self, rid: str) -> MockRequest | None:
         raise NotImplementedError
 
-    def _pages(self, req: MockRequest) -> KvPages:
+    def _pages(self, req: MockRequest, tokens: int | None = None) -> KvPages:
         memory, cfg = self._memories[req.rank], self._ranks[req.rank].cfg
+        tokens = req.prompt_len if tokens is None else tokens
         return KvPages(
             rid=req.rid,
             dp_rank=req.rank,
-            block_ids=tuple(req.blocks[: cfg.blocks_for(req.prompt_len)]),
-            num_tokens=req.prompt_len,
+            block_ids=tuple(req.blocks[: cfg.blocks_for(tokens)]),
+            num_tokens=tokens,
             block_size=cfg.block_size,
             block_bytes=memory.block_bytes,
             memory_generation=memory.generation,
@@ -117,6 +122,7 @@ class TransferMixin:
             parent = hashes[p - 1] if p else None
             sched.pool.register(req.blocks[p], hashes[p], parent, prompt[p * bs : (p + 1) * bs])
         req.kv_len = req.prompt_len
+        sched.kv_received_tokens += req.prompt_len
         req.bootstrap = None  # from now on a retraction re-prefills locally
         if req.ngen >= req.max_new:
             sched.end(req, "length")
@@ -142,6 +148,21 @@ class TransferMixin:
         if req.phase is not Phase.OWED:
             raise KVTransferError(f"{rid}: the prefill ended without KV to transfer")
         return self._pages(req)
+
+    def hand_over(self, rid: str) -> KvPages | None:
+        """Decode side of a live migration (a drain): stop decoding ``rid`` and keep its KV for
+        the next decode worker; ``None`` if it is not decoding (then abort it for a replay).
+
+        Its stream ends ``cancelled``, after every token so far. The pages cover the sequence
+        but its newest token (``num_tokens``; the trailing partial page is written), so the next
+        worker receives them for a request of that prefix and recomputes the newest token as its
+        first. They stay owed until ``release_transfer``, ``abort`` or ``transfer_timeout_s``.
+        """
+        req = self._find(rid)
+        if req is None or req.phase is not Phase.DECODE:
+            return None
+        self._ranks[req.rank].hand_over(req)
+        return self._pages(req, req.kv_len)
 
     def release_transfer(self, rid: str) -> None:
         """Prefill side: the decode side has the pages; free them (they stay prefix-cached)."""
