@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 
 import msgspec
+
 from protocols.engine import Usage
 
 __all__ = ["DONE_FRAME", "ChatRenderer", "CompletionRenderer", "Renderer", "error_frame"]
