@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API over a real hypercorn server on 127.0.0.1: shapes, streaming,
+"""The OpenAI-compatible API over a real HTTP server on 127.0.0.1: shapes, streaming,
 usage, stop strings, request mapping, the openai client, models, health and metrics."""
 
 from __future__ import annotations
