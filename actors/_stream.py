@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Awaitable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from anyio import WouldBlock
+
 from actors._backend import Backend
 from actors._errors import StreamCancelled
 
@@ -95,7 +97,17 @@ class StreamChannel:
                     raise self.error
                 raise StopAsyncIteration
             await self._consumer.park()
-        item = buffer.popleft()
+        return self._take()
+
+    def receive_nowait(self) -> Any:
+        """The next reply if one is buffered, else raise ``anyio.WouldBlock`` (the end of the
+        stream and its error are for :meth:`receive` to report)."""
+        if not self._buffer:
+            raise WouldBlock
+        return self._take()
+
+    def _take(self) -> Any:
+        item = self._buffer.popleft()
         hooks = self.hooks
         if hooks is None:
             self._producer.unpark()
@@ -144,6 +156,11 @@ class ReplyStream(Generic[T]):
     async def receive(self) -> T:
         """The next reply (``StopAsyncIteration`` at the end)."""
         return await self.__anext__()
+
+    def receive_nowait(self) -> T:
+        """The next reply if one is already here, else raise ``anyio.WouldBlock``."""
+        item: T = self._channel.receive_nowait()
+        return item
 
     def close(self) -> None:
         """Stop consuming; the producing handler is cancelled if still running."""

@@ -12,6 +12,7 @@ waiting on the FD.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import anyio
 import zmq
@@ -32,9 +33,14 @@ def context() -> zmq.Context[zmq.Socket[bytes]]:
 _SEND_RETRY_S = 0.0005
 
 
+# Plain ints: pyzmq's enum members cost an enum construction per use on this hot path.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
 def has_input(sock: zmq.Socket[bytes]) -> bool:
     """Whether a message can be received now (re-arms the FD's edge)."""
-    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
 class AsyncSocket:

@@ -34,8 +34,16 @@ _log = structlog.get_logger("actorserve.supervisor")
 _DEBUG = frozenset({"started", "terminated"})
 
 
+# The counters' label children, resolved once (a request stream's start and exit emit twice).
+_counters: dict[tuple[str, str, str], Any] = {}
+
+
 def emit(supervisor: str, child: str, event: str, **fields: Any) -> None:
-    _EVENTS.labels(supervisor, child, event).inc()
+    key = (supervisor, child, event)
+    counter = _counters.get(key)
+    if counter is None:
+        counter = _counters[key] = _EVENTS.labels(supervisor, child, event)
+    counter.inc()
     log = _log.debug if event in _DEBUG else _log.info
     if event == "exited":
         # A normal exit (a finished request stream) is routine; a crash is not.
@@ -69,5 +77,6 @@ def forget(supervisor: str, child: str) -> None:
     """Drop a forgotten child's series (a temporary child, a deleted one): children added with
     fresh ids must not grow the metrics without bound."""
     for event in EVENTS:
+        _counters.pop((supervisor, child, event), None)
         _EVENTS.remove(supervisor, child, event)
     _BACKOFF.remove(supervisor, child)

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP frontend.
 
 ``create_app(backend, registry)`` builds the ASGI app (chat and text completions, streaming or
-not, ``/v1/models``, ``/health``, ``/live``, ``/metrics``); ``serve(app)`` serves it with hypercorn
-on asyncio or trio. The :class:`Backend` protocol is the seam to whatever runs the requests (the
-router and request-stream actors); :class:`ModelInfo` describes a served model and its
-:class:`Tokenizer` (:class:`ByteTokenizer` for the mock engine, :class:`HFTokenizer` for real
+not, ``/v1/models``, ``/health``, ``/live``, ``/metrics``); ``serve(app)`` serves it (uvicorn on
+asyncio, hypercorn on trio). The :class:`Backend` protocol is the seam to whatever runs the
+requests (the router and request-stream actors); :class:`ModelInfo` describes a served model and
+its :class:`Tokenizer` (:class:`ByteTokenizer` for the mock engine, :class:`HFTokenizer` for real
 models).
 """
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
@@ -44,8 +43,8 @@ from ._openai_types import (
 )
 from ._ops import Ops
 from ._pipeline import Choice
-from ._sse import SSEResponse
-from ._streams import aclose_quietly, next_output, until_disconnected
+from ._sse import SSEResponse, SSEWriter
+from ._streams import aclose_quietly, next_output, ready_output, until_disconnected
 
 __all__ = ["create_app"]
 
@@ -106,14 +105,19 @@ def create_app(
         title="actorserve",
         version="0.1.0",
         description="OpenAI-compatible API",
-        max_body_size=max_body_bytes,
+        # FastAPI's own OpenTelemetry instrumentation: off, as it costs a check and a wrapper on
+        # every request; our Prometheus metrics cover the requests.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    # The body limit on the routes that take a body, not app-wide too: one limiter per request
+    # instead of two nested ones.
     app.add_api_route(
         CHAT_PATH,
         frontend.chat_completions,
         methods=["POST"],
         response_class=Response,
         responses=_responses(ChatCompletionResponse),
+        max_body_size=max_body_bytes,
     )
     app.add_api_route(
         COMPLETIONS_PATH,
@@ -121,6 +125,7 @@ def create_app(
         methods=["POST"],
         response_class=Response,
         responses=_responses(CompletionResponse),
+        max_body_size=max_body_bytes,
     )
     app.add_api_route("/v1/models", ops.list_models, methods=["GET"], response_model=ModelList)
     app.add_api_route(
@@ -246,24 +251,17 @@ class _Frontend:
         )
         if body.stream:
             # Everything that touches the backend runs in the response's task: the first output
-            # (which decides the status line), the stream, the close. sse-starlette's disconnect
-            # listener covers all of it, the wait for the first output included.
-            gone = anyio.Event()
-
-            async def on_disconnect(message: Mapping[str, Any]) -> None:
-                gone.set()
-
+            # (which decides the status line), the stream, the close. The response's disconnect
+            # watcher covers all of it, the wait for the first output included.
             # Counted in flight now, so max_inflight holds however many requests arrive at once;
-            # the stream's own finally (it always runs: the response always starts iterating it)
-            # counts it out.
+            # the producer's own finally (it always runs: the response always starts it) counts
+            # it out.
             self._enter(m, info, preq, "stream")
-            events = self._events(info, preq, choice, renderer, m, echo, gone)
-            return SSEResponse(
-                events,
-                ping=self.ping_interval_s,
-                sep="\n",
-                client_close_handler_callable=on_disconnect,
-            )
+
+            async def produce(writer: SSEWriter) -> None:
+                await self._stream(writer, info, preq, choice, renderer, m, echo)
+
+            return SSEResponse(produce, ping_s=self.ping_interval_s)
         self._enter(m, info, preq, "unary")
         return await self._unary(request, info, preq, choice, renderer, m, echo)
 
@@ -308,17 +306,21 @@ class _Frontend:
             renderer.body(text, finish, choice.final_usage()), media_type="application/json"
         )
 
-    async def _events(
+    async def _stream(
         self,
+        writer: SSEWriter,
         info: ModelInfo,
         preq: PreprocessedRequest,
         choice: Choice,
         renderer: Renderer,
         m: RequestMetrics,
         echo: str,
-        gone: anyio.Event,
-    ) -> AsyncIterator[bytes | Response | None]:
-        """The body of an SSE response: its head (see :class:`SSEResponse`), then frames."""
+    ) -> None:
+        """Produce an SSE response: its head (see :class:`SSEWriter`), then the frames.
+
+        Outputs that are already here when a write is due go out in that same write (several
+        ``data:`` events in one body chunk); a frame never waits for a later output.
+        """
         status, error_type = "cancelled", ""
         outputs: AsyncIterator[EngineOutput] | None = None
         try:
@@ -330,49 +332,56 @@ class _Frontend:
             except RequestError as exc:
                 # Nothing was sent yet: the error keeps its own status (and Retry-After).
                 status, error_type = "error", error_type_label(exc)
-                yield error_response(exc, retry_after_s=self.retry_after_s)
+                await writer.start(error_response(exc, retry_after_s=self.retry_after_s))
                 return
             except Exception as exc:
                 status, error_type = "error", "internal"
                 log.error("request failed", exc_info=exc)
-                yield internal_error_response()
+                await writer.start(internal_error_response())
                 return
-            yield None  # the head: a 200 stream follows
-            start = renderer.start()
-            if start is not None:
-                yield start
-            text = echo + text
-            if text or finish is not None:
-                yield renderer.delta(text, finish)
-            if finish is None:
-                async for out in outputs:
+            await writer.start()  # a 200 stream follows
+            frames: list[bytes] = []
+            try:
+                start = renderer.start()
+                if start is not None:
+                    frames.append(start)
+                text = echo + text
+                if text or finish is not None:
+                    frames.append(renderer.delta(text, finish))
+                ready = ready_output(outputs)
+                while finish is None:
+                    out = ready()
+                    if out is None:
+                        if frames:
+                            await writer.send(b"".join(frames))
+                            frames.clear()
+                        out = await next_output(outputs)
                     text, finish = choice.on_output(out)
                     m.tokens(len(out.token_ids))
                     if text or finish is not None:
-                        yield renderer.delta(text, finish)
-                    if finish is not None:
-                        break
-                else:
-                    await next_output(outputs)  # raises StreamIncomplete: it ended too early
-            status = "success"
-            if renderer.include_usage:
-                yield renderer.usage(choice.final_usage())
-            yield DONE_FRAME
-        except RequestError as exc:
-            status, error_type = "error", error_type_label(exc)
-            # After the headers, the status line is gone: the error goes in the stream, and the
-            # stream still ends properly.
-            yield error_frame(error_payload(exc))
-            yield DONE_FRAME
-        except Exception as exc:
-            status, error_type = "error", "internal"
-            log.error("stream failed", exc_info=exc)
-            yield error_frame(error_body(500, "internal server error", "internal"))
-            yield DONE_FRAME
+                        frames.append(renderer.delta(text, finish))
+                status = "success"
+                if renderer.include_usage:
+                    frames.append(renderer.usage(choice.final_usage()))
+            except RequestError as exc:
+                status, error_type = "error", error_type_label(exc)
+                # After the headers, the status line is gone: the error goes in the stream, and
+                # the stream still ends properly.
+                frames.append(error_frame(error_payload(exc)))
+            except Exception as exc:
+                status, error_type = "error", "internal"
+                log.error("stream failed", exc_info=exc)
+                frames.append(error_frame(error_body(500, "internal server error", "internal")))
+            # Closed before the last write: once the client has the whole answer, the engine
+            # request is over (aborted, if a stop string ended it early).
+            closing, outputs = outputs, None
+            await aclose_quietly(closing)
+            frames.append(DONE_FRAME)
+            await writer.end(b"".join(frames))
         finally:
             if outputs is not None:
                 await aclose_quietly(outputs)
-            self._finish(m, status, error_type, disconnected=gone.is_set())
+            self._finish(m, status, error_type, disconnected=writer.disconnected)
 
     # --- outcomes ---------------------------------------------------------------------------
 

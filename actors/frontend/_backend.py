@@ -40,6 +40,10 @@ class Backend(Protocol):
     cancelled": abort the engine request, free its KV, never migrate. ``aclose()`` runs shielded
     from cancellation for a few seconds, so cleanup that must await (sending the abort) can.
 
+    Optionally the iterator has ``next_nowait()``: an output that is already here, or ``None``
+    (never waits; the end of the stream and errors are for ``__anext__`` to report). Outputs
+    found that way are written to the client together, in one write.
+
     Task contract: ``generate`` is called, and its iterator advanced and closed, from one task
     (the request's for a non-streaming request, the SSE response's for a stream). Still, keep no
     task-bound state open across a ``yield`` (a cancel scope, a task group): anyio and trio forbid

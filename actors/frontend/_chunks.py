@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 
 import msgspec
-from sse_starlette import ServerSentEvent
 
 from protocols.engine import Usage
 
@@ -218,5 +217,5 @@ class CompletionRenderer(Renderer):
 
 
 def error_frame(error_body: bytes) -> bytes:
-    """An SSE ``error`` event carrying an OpenAI error object (sent once, not on the hot path)."""
-    return ServerSentEvent(error_body.decode(), event="error", sep="\n").encode()
+    """An SSE ``error`` event carrying an OpenAI error object (compact JSON: one line)."""
+    return b"event: error\n" + _frame(error_body)

@@ -116,9 +116,55 @@ class FrontendMetrics:
             registry=registry,
         )
 
+        # Label children resolved once: a labels() lookup costs more than the update itself.
+        self._series: dict[str, _ModelSeries] = {}
+        self._outcomes: dict[tuple[str, str, str, str, str], Any] = {}
+
     def start(self, endpoint: str) -> RequestMetrics:
         """Begin measuring one request (its clock starts now)."""
         return RequestMetrics(self, endpoint)
+
+    def series(self, model: str) -> _ModelSeries:
+        """The per-model series of ``model`` (a served model: the cache stays small)."""
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = _ModelSeries(self, model)
+        return series
+
+    def outcome(
+        self, model: str, endpoint: str, request_type: str, status: str, error_type: str
+    ) -> Any:
+        """The ``requests`` counter of one outcome (few: the labels take few values)."""
+        key = (model, endpoint, request_type, status, error_type)
+        child = self._outcomes.get(key)
+        if child is None:
+            child = self._outcomes[key] = self.requests.labels(*key)
+        return child
+
+
+class _ModelSeries:
+    __slots__ = (
+        "cancellations",
+        "disconnected",
+        "duration",
+        "inflight",
+        "input_tokens",
+        "itl",
+        "output_tokens",
+        "output_tokens_hist",
+        "ttft",
+    )
+
+    def __init__(self, m: FrontendMetrics, model: str) -> None:
+        self.inflight = m.inflight.labels(model)
+        self.input_tokens = m.input_tokens.labels(model)
+        self.ttft = m.ttft.labels(model)
+        self.itl = m.itl.labels(model)
+        self.output_tokens = m.output_tokens.labels(model)
+        self.duration = m.duration.labels(model)
+        self.output_tokens_hist = m.output_tokens_hist.labels(model)
+        self.cancellations = m.cancellations.labels(model)
+        self.disconnected = m.disconnected.labels(model)
 
 
 class RequestMetrics:
@@ -126,12 +172,10 @@ class RequestMetrics:
 
     __slots__ = (
         "_done",
-        "_itl",
         "_last",
         "_m",
-        "_model",
         "_output",
-        "_output_total",
+        "_series",
         "endpoint",
         "first_token_at",
         "model",
@@ -149,37 +193,30 @@ class RequestMetrics:
         self._last = self.started
         self._output = 0
         self._done = False
-        self._model: str | None = None
-        self._itl: Any = None
-        self._output_total: Any = None
+        self._series: _ModelSeries | None = None
 
     def admitted(self, model: str, request_type: str, prompt_tokens: int) -> None:
         """The request names a served model and was tokenised: it now counts as in flight."""
         self.model = model
         self.request_type = request_type
-        self._model = model
-        self._m.inflight.labels(model).inc()
-        self._m.input_tokens.labels(model).observe(prompt_tokens)
-        # The per-token series, resolved once: a labels() lookup per chunk would cost more than
-        # the update itself.
-        self._itl = self._m.itl.labels(model)
-        self._output_total = self._m.output_tokens.labels(model)
+        series = self._series = self._m.series(model)
+        series.inflight.inc()
+        series.input_tokens.observe(prompt_tokens)
 
     def tokens(self, n: int) -> None:
         """``n`` new tokens arrived (the hot path: two metric updates at most)."""
-        if n <= 0:
-            return
-        if self._model is None:
+        series = self._series
+        if n <= 0 or series is None:
             return
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
-            self._m.ttft.labels(self.model).observe(now - self.started)
+            series.ttft.observe(now - self.started)
         else:
-            self._itl.observe((now - self._last) / n)
+            series.itl.observe((now - self._last) / n)
         self._last = now
         self._output += n
-        self._output_total.inc(n)
+        series.output_tokens.inc(n)
 
     def done(self, status: str, error_type: str = "", *, disconnected: bool = False) -> bool:
         """Record the outcome (``success``, ``error`` or ``cancelled``) once; later calls are
@@ -188,15 +225,15 @@ class RequestMetrics:
         if self._done:
             return False
         self._done = True
-        m, model = self._m, self.model
-        m.requests.labels(model, self.endpoint, self.request_type, status, error_type).inc()
-        if self._model is None:
+        self._m.outcome(self.model, self.endpoint, self.request_type, status, error_type).inc()
+        series = self._series
+        if series is None:
             return False  # never admitted: nothing else was started for it
-        m.inflight.labels(model).dec()
-        m.duration.labels(model).observe(time.perf_counter() - self.started)
-        m.output_tokens_hist.labels(model).observe(self._output)
+        series.inflight.dec()
+        series.duration.observe(time.perf_counter() - self.started)
+        series.output_tokens_hist.observe(self._output)
         if status == "cancelled":
-            m.cancellations.labels(model).inc()
+            series.cancellations.inc()
         if disconnected:
-            m.disconnected.labels(model).inc()
+            series.disconnected.inc()
         return True

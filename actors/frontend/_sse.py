@@ -1,64 +1,141 @@
-"""The SSE response: sse-starlette's, with a status line chosen by the stream's first item."""
+"""The SSE response: a producer writes the status line (or an error response), then the frames.
+
+Our own, not sse-starlette's: a stream is one task for the producer plus one that watches for the
+client leaving, and nothing else per request or per frame (sse-starlette runs three tasks, a
+send lock and a cancel scope per request; its per-request cost was as large as the rest of our
+frontend's).
+"""
 
 from __future__ import annotations
 
-from typing import Any, cast
+import math
+from collections.abc import Awaitable, Callable
 
 import anyio
-from sse_starlette import EventSourceResponse
+import anyio.lowlevel
 from starlette.responses import Response
-from starlette.types import Message, Send
+from starlette.types import Receive, Scope, Send
 
-__all__ = ["SSEResponse"]
+__all__ = ["SSEResponse", "SSEWriter"]
+
+_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    # No cache may store a stream; proxies must not buffer it (nginx reads X-Accel-Buffering).
+    (b"cache-control", b"no-store"),
+    (b"connection", b"keep-alive"),
+    (b"x-accel-buffering", b"no"),
+]
+PING_FRAME = b": ping\n\n"
 
 
-class SSEResponse(EventSourceResponse):
-    """sse-starlette's ``EventSourceResponse`` (disconnect detection, keep-alive pings, closing the
-    body iterator when a send fails) with three changes.
+class SSEWriter:
+    """What the producer of an :class:`SSEResponse` writes to.
 
-    The body iterator's first item is the *head*: ``None`` means "stream", a Starlette
-    ``Response`` is sent instead of the stream (an error found before the first chunk keeps its
-    own status code). The head is awaited inside the response's task group, so a client that
-    leaves while it is awaited cancels it like any other part of the stream, and the whole stream
-    is consumed by one task. Keep-alive pings wait until the status line is out.
-
-    No server-exit watcher: sse-starlette's looks for uvicorn's exit flag from a task started with
-    ``asyncio`` directly, which outlives the request on asyncio (a leak our structured-concurrency
-    rule forbids) and cannot start under trio. Hypercorn's graceful shutdown already lets
-    in-flight streams finish, then cancels them.
-
-    No per-send cancel scope when there is no send timeout (ours): entering and leaving an anyio
-    cancel scope for every chunk cost more than the rest of our per-chunk work.
+    First :meth:`start`, once: ``None`` opens the event stream (status 200), a Starlette
+    ``Response`` is sent instead of it (an error found before the first frame keeps its own
+    status code) and ends the response. Then :meth:`send` frames and :meth:`end` with the last
+    one. ``disconnected`` tells whether the client went away (the producer is then cancelled).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._head_sent = anyio.Event()
+    __slots__ = ("_ended", "_scope", "_send", "_started", "disconnected")
 
-    async def _stream_response(self, send: Send) -> None:
-        body = cast(Any, self.body_iterator)
-        head = await body.__anext__()
-        if isinstance(head, Response):
-            try:
-                start = {"type": "http.response.start", "status": head.status_code}
-                await send({**start, "headers": head.raw_headers})
-                await send({"type": "http.response.body", "body": head.body, "more_body": False})
-            finally:
-                await body.aclose()
+    def __init__(self, send: Send, scope: anyio.CancelScope) -> None:
+        self._send = send
+        self._scope = scope
+        self._started = anyio.Event()
+        self._ended = anyio.Event()
+        self.disconnected = False
+
+    async def start(self, head: Response | None = None) -> None:
+        if head is None:
+            await self._write({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+            self._started.set()
             return
-        self._head_sent.set()
-        await super()._stream_response(send)
+        self._ended.set()
+        start = {"type": "http.response.start", "status": head.status_code}
+        await self._write({**start, "headers": head.raw_headers})
+        await self._write({"type": "http.response.body", "body": head.body, "more_body": False})
 
-    async def _ping(self, send: Send) -> None:
-        await self._head_sent.wait()
-        await super()._ping(send)
+    async def send(self, frames: bytes) -> None:
+        """Send one or more frames now (as one body chunk: one write, one TCP segment)."""
+        await self._write({"type": "http.response.body", "body": frames, "more_body": True})
 
-    @staticmethod
-    async def _listen_for_exit_signal() -> None:
-        await anyio.sleep_forever()
+    async def end(self, frames: bytes) -> None:
+        """Send the last frames and end the response."""
+        self._ended.set()
+        await self._write({"type": "http.response.body", "body": frames, "more_body": False})
 
-    async def _send_with_timeout(self, send: Send, message: Message) -> None:
-        if self.send_timeout is None:
-            await send(message)
-        else:
-            await super()._send_with_timeout(send, message)
+    async def _write(self, message: dict[str, object]) -> None:
+        try:
+            await self._send(message)
+        except OSError:
+            # ASGI 2.4 servers raise OSError for a send after the client left: that is the
+            # client going away, so the producer is cancelled as if the watcher had seen it.
+            self._stop(disconnected=True)
+            await anyio.lowlevel.checkpoint()
+            raise
+
+    def _stop(self, *, disconnected: bool) -> None:
+        self.disconnected = disconnected
+        self._ended.set()
+        self._scope.cancel()
+
+    async def _watch(self, receive: Receive) -> None:
+        # The body was read already: the next message is the disconnect, which servers also
+        # send once the response is complete (then it is no news and ends this task).
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._ended.is_set():
+            self._stop(disconnected=True)
+
+    async def _ping(self, interval: float) -> None:
+        await self._started.wait()
+        while True:
+            with anyio.move_on_after(interval):
+                await self._ended.wait()
+            if self._ended.is_set():
+                return
+            await self.send(PING_FRAME)
+
+
+Producer = Callable[[SSEWriter], Awaitable[None]]
+
+
+class SSEResponse(Response):
+    """A ``text/event-stream`` response written by ``produce``, which gets an :class:`SSEWriter`.
+
+    The producer runs in the response's task; a client that leaves cancels it, wherever it
+    waits (the first output included), and ``writer.disconnected`` is then true. ``ping_s > 0``
+    sends SSE comments (``: ping``) every ``ping_s`` seconds once the status line is out, for
+    proxies that cut idle connections. No server-exit watcher: the server's graceful shutdown
+    lets in-flight streams finish, then cancels them.
+    """
+
+    def __init__(self, produce: Producer, *, ping_s: float = 0.0) -> None:
+        # Starlette's Response.__init__ would render a body and headers we never use.
+        self.status_code = 200
+        self.background = None
+        self._produce = produce
+        self._ping_s = ping_s if ping_s > 0 else math.inf
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                writer = SSEWriter(send, tg.cancel_scope)
+                tg.start_soon(writer._watch, receive)
+                if self._ping_s != math.inf:
+                    tg.start_soon(writer._ping, self._ping_s)
+                try:
+                    await self._produce(writer)
+                finally:
+                    if not writer._ended.is_set():
+                        # The producer failed before the end: stop the watcher and the pings.
+                        writer._stop(disconnected=writer.disconnected)
+        except BaseExceptionGroup as group:
+            # Only the producer raises (the watcher and the pings never do): re-raise its error
+            # as it is, not wrapped, like any other endpoint's.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        if self.background is not None:
+            await self.background()

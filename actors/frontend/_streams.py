@@ -12,7 +12,7 @@ from starlette.types import Receive
 from protocols.engine import EngineOutput
 from protocols.errors import StreamIncomplete
 
-__all__ = ["CLOSE_TIMEOUT_S", "aclose_quietly", "next_output", "until_disconnected"]
+__all__ = ["CLOSE_TIMEOUT_S", "aclose_quietly", "next_output", "ready_output", "until_disconnected"]
 
 log = logging.getLogger("actorserve.frontend")
 
@@ -79,3 +79,14 @@ async def until_disconnected(
     if error is not None:
         raise error
     return (None, True) if disconnected else (result, False)
+
+
+def _nothing_ready() -> EngineOutput | None:
+    return None
+
+
+def ready_output(outputs: AsyncIterator[EngineOutput]) -> Callable[[], EngineOutput | None]:
+    """A function giving an output of ``outputs`` that is already here (``None`` if none is):
+    the iterator's own ``next_nowait`` if it has one (see :class:`~actors.frontend.Backend`)."""
+    poll: Callable[[], EngineOutput | None] | None = getattr(outputs, "next_nowait", None)
+    return poll if poll is not None else _nothing_ready

@@ -126,19 +126,24 @@ def _word(token_id: int) -> str:
 
 
 class _ByteDetokenizer:
-    __slots__ = ("_decoder",)
+    __slots__ = ("_decoder", "_partial")
 
     def __init__(self) -> None:
         # errors="replace": invalid byte sequences become U+FFFD instead of failing; incomplete
         # ones are held until the next bytes arrive.
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._partial = False  # the decoder may hold the start of a character
 
     def step(self, token_ids: Sequence[int]) -> str:
         try:
             # Fast path: only byte ids (bytes() rejects anything outside 0-255).
-            return self._decoder.decode(bytes(token_ids))
+            data = bytes(token_ids)
         except (ValueError, TypeError):
-            pass
+            return self._mixed(token_ids)
+        self._partial = True
+        return self._decoder.decode(data)
+
+    def _mixed(self, token_ids: Sequence[int]) -> str:
         out: list[str] = []
         pending = bytearray()
         for tid in token_ids:
@@ -147,19 +152,23 @@ class _ByteDetokenizer:
                 continue
             if tid in (ByteTokenizer.BOS, ByteTokenizer.EOS):
                 continue
-            # A word id ends any byte sequence in progress: decode what is complete and show
-            # a dangling partial character as U+FFFD, like any other broken sequence.
-            out.append(self._decoder.decode(bytes(pending), final=True))
-            pending.clear()
-            self._decoder.reset()
+            if pending or self._partial:
+                # A word id ends any byte sequence in progress: decode what is complete and
+                # show a dangling partial character as U+FFFD, like any other broken sequence.
+                out.append(self._decoder.decode(bytes(pending), final=True))
+                pending.clear()
+                self._decoder.reset()
+                self._partial = False
             out.append(_word(tid))
         if pending:
+            self._partial = True
             out.append(self._decoder.decode(bytes(pending)))
         return "".join(out)
 
     def flush(self) -> str:
         text = self._decoder.decode(b"", final=True)
         self._decoder.reset()
+        self._partial = False
         return text
 
 

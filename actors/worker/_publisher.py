@@ -95,17 +95,27 @@ class Publisher(Actor):
     async def _metrics(self, endpoint: str) -> None:
         subscriber = KvMetricsSubscriber(endpoint)
         self._subscribers.append(subscriber)
+        # Each rank's gauges, resolved once: labels() per message cost more than the updates.
+        gauges: dict[int, tuple[Any, ...]] = {}
         async with subscriber:
             while True:
                 metrics = await subscriber.receive()
-                rank = str(metrics.data_parallel_rank or 0)
-                TOTAL_BLOCKS.labels(self.worker_id, rank).set(metrics.kv_total_blocks)
-                CACHE_USAGE.labels(self.worker_id, rank).set(metrics.gpu_cache_usage_perc)
-                ACTIVE.labels(self.worker_id, rank).set(metrics.request_active_slots)
-                WAITING.labels(self.worker_id, rank).set(metrics.num_requests_waiting)
-                HIT_RATE.labels(self.worker_id, rank).set(metrics.gpu_prefix_cache_hit_rate)
+                rank = metrics.data_parallel_rank or 0
+                series = gauges.get(rank)
+                if series is None:
+                    labels = (self.worker_id, str(rank))
+                    series = gauges[rank] = tuple(
+                        g.labels(*labels)
+                        for g in (TOTAL_BLOCKS, CACHE_USAGE, ACTIVE, WAITING, HIT_RATE)
+                    )
+                total, usage, active, waiting, hit_rate = series
+                total.set(metrics.kv_total_blocks)
+                usage.set(metrics.gpu_cache_usage_perc)
+                active.set(metrics.request_active_slots)
+                waiting.set(metrics.num_requests_waiting)
+                hit_rate.set(metrics.gpu_prefix_cache_hit_rate)
                 if self.sink is not None:
-                    self.sink.load(self.worker_id, metrics.data_parallel_rank or 0, metrics)
+                    self.sink.load(self.worker_id, rank, metrics)
 
     async def receive(self, message: Any) -> Any:
         if message == "batches":

@@ -85,6 +85,21 @@ async def test_stream_ends_with_its_terminal_item() -> None:
             assert [r async for r in replies] == []
 
 
+async def test_receive_nowait_takes_only_what_is_buffered() -> None:
+    async with open_supervisor([await _producer()]) as sup:
+        ref = await sup.child("p")
+        async with ref.stream(3, buffer=8) as replies:
+            with pytest.raises(anyio.WouldBlock):
+                replies.receive_nowait()  # the producer has not run yet
+            assert await replies.receive() == 0
+            await wait_until(lambda: ref._cell.runtime.actor.ended == ["done"])
+            assert [replies.receive_nowait(), replies.receive_nowait()] == [1, 2]
+            with pytest.raises(anyio.WouldBlock):
+                replies.receive_nowait()  # the end is for receive() to report
+            with pytest.raises(StopAsyncIteration):
+                await replies.receive()
+
+
 async def test_slow_consumer_bounds_the_producer_lead() -> None:
     async with open_supervisor([await _producer()]) as sup:
         ref = await sup.child("p")

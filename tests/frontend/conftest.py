@@ -33,7 +33,7 @@ def app(backend: FakeBackend, registry: CollectorRegistry) -> FastAPI:
 
 @pytest.fixture
 async def base_url(app: FastAPI) -> AsyncIterator[str]:
-    """The app served by hypercorn on an ephemeral loopback port, for the test's duration."""
+    """The app served on an ephemeral loopback port, for the test's duration."""
     async with served(app) as url:
         yield url
 

@@ -1,7 +1,7 @@
 """Schemathesis over the app's own OpenAPI schema: no input makes it answer 5xx or hang, and
 every answer is the documented one.
 
-The app runs under hypercorn on 127.0.0.1 (in an event loop thread this module owns), and every
+The app runs under our server on 127.0.0.1 (in an event loop thread this module owns), and every
 generated request goes over a real connection.
 """
 

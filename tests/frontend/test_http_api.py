@@ -1,8 +1,9 @@
-"""The OpenAI-compatible API over a real hypercorn server on 127.0.0.1: shapes, streaming,
+"""The OpenAI-compatible API over a real HTTP server on 127.0.0.1: shapes, streaming,
 usage, stop strings, request mapping, the openai client, models, health and metrics."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -12,6 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from actors.frontend import ByteTokenizer, HFTokenizer, create_app
+from actors.frontend._streams import aclose_quietly
+from protocols.engine import EngineOutput, PreprocessedRequest
 from tests.frontend._doubles import ANSWER, CONTEXT, MODEL, FakeBackend
 from tests.frontend._hf import build_tokenizer_folder
 from tests.frontend._http import CHAT, COMPLETIONS, chat_body, chunks
@@ -93,6 +96,54 @@ async def test_keep_alive_pings_come_after_the_status_line(backend: FakeBackend)
     assert ": ping" in r.text
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks(r.text))
     assert content == ANSWER
+
+
+class _ReadyOutputs:
+    """Outputs that are all there at once, handed out by ``next_nowait`` too."""
+
+    def __init__(self, outputs: AsyncIterator[EngineOutput]) -> None:
+        self.outputs = outputs
+        self.ready: list[EngineOutput] = []
+        self.polled = 0
+
+    def __aiter__(self) -> _ReadyOutputs:
+        return self
+
+    async def __anext__(self) -> EngineOutput:
+        if not self.ready:
+            self.ready = [out async for out in self.outputs]
+        if not self.ready:
+            raise StopAsyncIteration
+        return self.ready.pop(0)
+
+    def next_nowait(self) -> EngineOutput | None:
+        self.polled += 1
+        return self.ready.pop(0) if self.ready else None
+
+    async def aclose(self) -> None:
+        await aclose_quietly(self.outputs)
+
+
+async def test_outputs_already_there_go_out_together(backend: FakeBackend) -> None:
+    streams: list[_ReadyOutputs] = []
+    generate = backend.generate
+
+    def ready_generate(model: str, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        streams.append(_ReadyOutputs(generate(model, request)))
+        return streams[-1]
+
+    backend.generate = ready_generate  # type: ignore[method-assign]
+    app = create_app(backend, CollectorRegistry())
+    body = chat_body(stream=True, stream_options={"include_usage": True})
+    async with served(app) as url, httpx.AsyncClient(base_url=url) as client:
+        r = await client.post(CHAT, json=body)
+    events = chunks(r.text)
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1])
+    assert content == ANSWER
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["usage"]["completion_tokens"] == len(ANSWER.encode())
+    # Every output after the first was taken without waiting: one frame per output all the same.
+    assert streams[0].polled >= len(events) - 3
 
 
 async def test_completion_with_max_tokens(base_url: str, backend: FakeBackend) -> None:

@@ -1,4 +1,4 @@
-"""Serving with hypercorn on asyncio and trio: ephemeral ports on loopback, graceful shutdown."""
+"""Serving (uvicorn on asyncio, hypercorn on trio): ephemeral loopback ports, graceful shutdown."""
 
 from __future__ import annotations
 
