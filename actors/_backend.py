@@ -6,7 +6,8 @@ and reply streams instead park one task on a bare asyncio future or trio's
 nobody parked is simply dropped.
 
 :class:`Parking` is a spot for one waiting task; :class:`Reply` a one-shot result with a timeout.
-``backend()`` picks the implementation for the running event loop once.
+``backend()`` picks the implementation for the running event loop; the trio one lives in
+:mod:`actors._backend_trio`, imported on first use so asyncio users never import trio.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ from typing import Any, Protocol
 
 import sniffio
 
-from actors._timeouts import aio_deadlines, trio_deadlines
+from actors._timeouts import Deadlines, aio_deadlines
 
 __all__ = ["Backend", "Parking", "Reply", "backend"]
-
-_PENDING: Any = object()
-_ABANDONED = TimeoutError("the waiter was cancelled")
 
 
 class Parking(Protocol):
@@ -59,9 +57,6 @@ class Backend(Protocol):
         ...
 
 
-# -- asyncio ---------------------------------------------------------------------------------
-
-
 class _AioParking:
     __slots__ = ("_fut", "_loop")
 
@@ -87,11 +82,11 @@ class _AioParking:
 
 
 class _AioReply:
-    __slots__ = ("_fut", "_loop")
+    __slots__ = ("_deadlines", "_fut")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadlines: Deadlines) -> None:
         self._fut: asyncio.Future[Any] = loop.create_future()
+        self._deadlines = deadlines
 
     def set(self, value: Any) -> None:
         if not self._fut.done():
@@ -112,7 +107,7 @@ class _AioReply:
     async def wait(self, timeout: float | None) -> Any:
         fut = self._fut
         if timeout is not None and not fut.done():
-            aio_deadlines(self._loop).add(timeout, self)
+            self._deadlines.add(timeout, self)
         return await fut
 
 
@@ -121,119 +116,23 @@ class _AioBackend:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        # Looked up once here, not per ask (the per-loop registry is a weak mapping).
+        self.deadlines = aio_deadlines(loop)
 
     def parking(self) -> Parking:
         return _AioParking(self.loop)
 
     def reply(self) -> Reply:
-        return _AioReply(self.loop)
+        return _AioReply(self.loop, self.deadlines)
 
     async def yield_now(self) -> None:
         await asyncio.sleep(0)
 
 
-# -- trio ------------------------------------------------------------------------------------
-
-
-class _TrioParking:
-    __slots__ = ("_task",)
-
-    def __init__(self) -> None:
-        self._task: Any = None
-
-    def unpark(self) -> None:
-        task = self._task
-        if task is not None:
-            self._task = None
-            _trio_lowlevel().reschedule(task)
-
-    def _abort(self, _: Any) -> Any:
-        self._task = None
-        return _trio_lowlevel().Abort.SUCCEEDED
-
-    async def park(self) -> None:
-        lowlevel = _trio_lowlevel()
-        self._task = lowlevel.current_task()
-        await lowlevel.wait_task_rescheduled(self._abort)
-
-
-class _TrioReply:
-    __slots__ = ("_error", "_task", "_value")
-
-    def __init__(self) -> None:
-        self._value: Any = _PENDING
-        self._error: BaseException | None = None
-        self._task: Any = None
-
-    def set(self, value: Any) -> None:
-        if self._value is _PENDING and self._error is None:
-            self._value = value
-            self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        if self._value is _PENDING and self._error is None:
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        task = self._task
-        if task is not None:
-            self._task = None
-            _trio_lowlevel().reschedule(task)
-
-    @property
-    def done(self) -> bool:
-        return self._value is not _PENDING or self._error is not None
-
-    def expire(self) -> None:
-        self.fail(TimeoutError())
-
-    def _abort(self, _: Any) -> Any:
-        self._task = None
-        # The waiter is gone (cancelled): done, so a pending deadline does not outlive it.
-        if not self.done:
-            self._error = _ABANDONED
-        return _trio_lowlevel().Abort.SUCCEEDED
-
-    async def wait(self, timeout: float | None) -> Any:
-        if not self.done:
-            lowlevel = _trio_lowlevel()
-            if timeout is not None:
-                trio_deadlines().add(timeout, self)
-            self._task = lowlevel.current_task()
-            await lowlevel.wait_task_rescheduled(self._abort)
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-_lowlevel: Any = None
-
-
-def _trio_lowlevel() -> Any:
-    global _lowlevel
-    if _lowlevel is None:
-        import trio
-
-        _lowlevel = trio.lowlevel
-    return _lowlevel
-
-
-class _TrioBackend:
-    name = "trio"
-
-    def parking(self) -> Parking:
-        return _TrioParking()
-
-    def reply(self) -> Reply:
-        return _TrioReply()
-
-    async def yield_now(self) -> None:
-        await _trio_lowlevel().checkpoint()
-
-
 def backend() -> Backend:
     """The implementation for the running event loop."""
     if sniffio.current_async_library() == "trio":
-        return _TrioBackend()
+        from actors._backend_trio import TrioBackend
+
+        return TrioBackend()
     return _AioBackend(asyncio.get_running_loop())

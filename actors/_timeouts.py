@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TICK", "aio_deadlines", "trio_deadlines"]
+__all__ = ["TICK", "Deadlines", "aio_deadlines", "trio_deadlines"]
 
 TICK = 0.01
 _COMPACT_AT = 4096  # a long-pending ask at the front keeps finished ones behind it: prune then
