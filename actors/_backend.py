@@ -13,6 +13,7 @@ nobody parked is simply dropped.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import sniffio
@@ -40,8 +41,8 @@ class Reply(Protocol):
     @property
     def done(self) -> bool: ...
 
-    async def wait(self, timeout: float | None) -> Any:
-        """The value, or raise the error; ``TimeoutError`` after ``timeout`` seconds."""
+    def wait(self, timeout: float | None) -> Awaitable[Any]:
+        """Await it for the value, or the error; ``TimeoutError`` after ``timeout`` seconds."""
         ...
 
 
@@ -55,6 +56,9 @@ class Backend(Protocol):
     async def yield_now(self) -> None:
         """Let other tasks run (cheaper than anyio's checkpoint on the hot path)."""
         ...
+
+
+_Future = asyncio.Future
 
 
 class _AioParking:
@@ -72,7 +76,7 @@ class _AioParking:
                 fut.set_result(None)
 
     async def park(self) -> None:
-        fut = self._loop.create_future()
+        fut: asyncio.Future[None] = _Future(loop=self._loop)  # create_future, one call less
         self._fut = fut
         try:
             await fut
@@ -85,7 +89,7 @@ class _AioReply:
     __slots__ = ("_deadlines", "_fut")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deadlines: Deadlines) -> None:
-        self._fut: asyncio.Future[Any] = loop.create_future()
+        self._fut: asyncio.Future[Any] = _Future(loop=loop)
         self._deadlines = deadlines
 
     def set(self, value: Any) -> None:
@@ -104,11 +108,12 @@ class _AioReply:
         if not self._fut.done():
             self._fut.set_exception(TimeoutError())
 
-    async def wait(self, timeout: float | None) -> Any:
+    def wait(self, timeout: float | None) -> Awaitable[Any]:
+        # The future itself: the asker awaits it with no coroutine of ours in between.
         fut = self._fut
         if timeout is not None and not fut.done():
             self._deadlines.add(timeout, self)
-        return await fut
+        return fut
 
 
 class _AioBackend:

@@ -6,8 +6,10 @@ an attribute walk through ``trio.lowlevel`` nor a lookup of the backend per call
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
+from outcome import Error, Value
 from trio.lowlevel import Abort, checkpoint, current_task, reschedule, wait_task_rescheduled
 
 from actors._backend import Parking, Reply
@@ -56,7 +58,7 @@ class _TrioReply:
             task = self._task
             if task is not None:
                 self._task = None
-                reschedule(task)
+                reschedule(task, Value(value))
 
     def fail(self, error: BaseException) -> None:
         if self._value is _PENDING and self._error is None:
@@ -64,7 +66,7 @@ class _TrioReply:
             task = self._task
             if task is not None:
                 self._task = None
-                reschedule(task)
+                reschedule(task, Error(error))
 
     @property
     def done(self) -> bool:
@@ -80,12 +82,16 @@ class _TrioReply:
             self._error = _ABANDONED
         return _SUCCEEDED
 
-    async def wait(self, timeout: float | None) -> Any:
+    def wait(self, timeout: float | None) -> Awaitable[Any]:
         if self._value is _PENDING and self._error is None:
             if timeout is not None:
                 self._deadlines.add(timeout, self)
             self._task = current_task()
-            await wait_task_rescheduled(self._abort)
+            # set and fail hand their outcome to trio's own wait: no coroutine of ours between.
+            return wait_task_rescheduled(self._abort)  # noqa: ASYNC105 (awaited by the asker)
+        return self._outcome()
+
+    async def _outcome(self) -> Any:
         if self._error is not None:
             raise self._error
         return self._value

@@ -8,6 +8,7 @@ items are queued. That keeps a tell well under a microsecond and an ask to two t
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Awaitable
 from typing import Any
 
 from actors._backend import Backend, Parking
@@ -26,8 +27,8 @@ Item = tuple[int, Any, Any]
 class Mailbox:
     """A bounded FIFO with back-pressure for many senders and exactly one receiver.
 
-    The receiver takes items straight from :attr:`items` and, for each one taken, wakes the first
-    of :attr:`space_waiters` (see :meth:`take`): a method call per message is a tenth of a tell.
+    The receiver (the serve loop) pops :attr:`items` itself and, for each item it takes, pops and
+    wakes the first of :attr:`space_waiters`: a method call per message costs a tenth of a tell.
     """
 
     __slots__ = (
@@ -112,24 +113,13 @@ class Mailbox:
     def abandon(self, reply: Any) -> None:
         """A local handler runs to completion; its reply is dropped (as OTP's calls)."""
 
-    def take(self) -> Item:
-        """The receiver's pop: the oldest item, and the first blocked sender gets its slot.
-
-        The serve loop inlines this (see the class docstring); keep the two in step.
-        """
-        item = self.items.popleft()
-        if self.space_waiters:
-            self.space_waiters.popleft().unpark()
-        return item
-
-    async def wait_nonempty(self) -> None:
-        """Park the receiver until something is queued or :meth:`wake` is called."""
-        if not self.items:
-            self._parked = True
-            try:
-                await self._receiver.park()
-            finally:
-                self._parked = False
+    def wait_nonempty(self) -> Awaitable[None]:
+        """Await it to park the receiver, which found no items, until something is queued or
+        :meth:`wake` is called."""
+        # Only a waker clears the flag: left set by a cancelled receiver, it costs a put one
+        # wake-up of nobody, while a receiver parked with it clear would never be woken.
+        self._parked = True
+        return self._receiver.park()
 
     def wake(self) -> None:
         """Wake the receiver (to take an item, or to re-check its stop flag)."""

@@ -230,7 +230,7 @@ class Incarnation:
                 budget = _FAIRNESS  # parking lets the other tasks run
                 await mailbox.wait_nonempty()
                 continue
-            # Mailbox.take, inlined: this loop is the receiving half of every tell and ask.
+            # Each item taken frees a slot for the first blocked sender (see Mailbox).
             kind, message, extra = take()
             if senders:
                 senders.popleft().unpark()
