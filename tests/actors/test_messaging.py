@@ -102,6 +102,18 @@ async def test_ask_timeout_raises_ask_timeout_and_actor_goes_on() -> None:
         assert ref.statistics().incarnation == 1
 
 
+async def test_a_cancelled_asker_leaves_no_pending_deadline() -> None:
+    async with open_supervisor([ChildSpec("c", Counter)]) as sup:
+        ref = await sup.child("c")
+        with anyio.move_on_after(0.05):
+            await ref.ask("block", timeout=60)
+        deadlines = ref._cell.backend.deadlines
+        # Still unanswered, the cancelled ask is dropped by the sweeps: nothing stays pending.
+        await wait_until(lambda: not deadlines.armed)
+        (await _gate_of(ref)).set()  # its late reply goes nowhere
+        assert await ref.ask(Add(1)) == 1
+
+
 async def test_ask_timeout_covers_waiting_for_mailbox_room() -> None:
     async with open_supervisor([ChildSpec("c", Small)]) as sup:
         ref = await sup.child("c")
