@@ -6,22 +6,21 @@ and reply streams instead park one task on a bare asyncio future or trio's
 nobody parked is simply dropped.
 
 :class:`Parking` is a spot for one waiting task; :class:`Reply` a one-shot result with a timeout.
-``backend()`` picks the implementation for the running event loop once.
+``backend()`` picks the implementation for the running event loop; the trio one lives in
+:mod:`actors._backend_trio`, imported on first use so asyncio users never import trio.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import sniffio
 
-from actors._timeouts import aio_deadlines, trio_deadlines
+from actors._timeouts import Deadlines, aio_deadlines
 
 __all__ = ["Backend", "Parking", "Reply", "backend"]
-
-_PENDING: Any = object()
-_ABANDONED = TimeoutError("the waiter was cancelled")
 
 
 class Parking(Protocol):
@@ -42,8 +41,8 @@ class Reply(Protocol):
     @property
     def done(self) -> bool: ...
 
-    async def wait(self, timeout: float | None) -> Any:
-        """The value, or raise the error; ``TimeoutError`` after ``timeout`` seconds."""
+    def wait(self, timeout: float | None) -> Awaitable[Any]:
+        """Await it for the value, or the error; ``TimeoutError`` after ``timeout`` seconds."""
         ...
 
 
@@ -59,7 +58,7 @@ class Backend(Protocol):
         ...
 
 
-# -- asyncio ---------------------------------------------------------------------------------
+_Future = asyncio.Future  # made directly: loop.create_future is one more Python call
 
 
 class _AioParking:
@@ -77,7 +76,7 @@ class _AioParking:
                 fut.set_result(None)
 
     async def park(self) -> None:
-        fut = self._loop.create_future()
+        fut: asyncio.Future[None] = _Future(loop=self._loop)
         self._fut = fut
         try:
             await fut
@@ -87,11 +86,11 @@ class _AioParking:
 
 
 class _AioReply:
-    __slots__ = ("_fut", "_loop")
+    __slots__ = ("_deadlines", "_fut")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._fut: asyncio.Future[Any] = loop.create_future()
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadlines: Deadlines) -> None:
+        self._fut: asyncio.Future[Any] = _Future(loop=loop)
+        self._deadlines = deadlines
 
     def set(self, value: Any) -> None:
         if not self._fut.done():
@@ -109,11 +108,12 @@ class _AioReply:
         if not self._fut.done():
             self._fut.set_exception(TimeoutError())
 
-    async def wait(self, timeout: float | None) -> Any:
+    def wait(self, timeout: float | None) -> Awaitable[Any]:
+        # The future itself: the asker awaits it with no coroutine of ours in between.
         fut = self._fut
         if timeout is not None and not fut.done():
-            aio_deadlines(self._loop).add(timeout, self)
-        return await fut
+            self._deadlines.add(timeout, self)
+        return fut
 
 
 class _AioBackend:
@@ -121,119 +121,23 @@ class _AioBackend:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        # Looked up once here, not per ask (the per-loop registry is a weak mapping).
+        self.deadlines = aio_deadlines(loop)
 
     def parking(self) -> Parking:
         return _AioParking(self.loop)
 
     def reply(self) -> Reply:
-        return _AioReply(self.loop)
+        return _AioReply(self.loop, self.deadlines)
 
     async def yield_now(self) -> None:
         await asyncio.sleep(0)
 
 
-# -- trio ------------------------------------------------------------------------------------
-
-
-class _TrioParking:
-    __slots__ = ("_task",)
-
-    def __init__(self) -> None:
-        self._task: Any = None
-
-    def unpark(self) -> None:
-        task = self._task
-        if task is not None:
-            self._task = None
-            _trio_lowlevel().reschedule(task)
-
-    def _abort(self, _: Any) -> Any:
-        self._task = None
-        return _trio_lowlevel().Abort.SUCCEEDED
-
-    async def park(self) -> None:
-        lowlevel = _trio_lowlevel()
-        self._task = lowlevel.current_task()
-        await lowlevel.wait_task_rescheduled(self._abort)
-
-
-class _TrioReply:
-    __slots__ = ("_error", "_task", "_value")
-
-    def __init__(self) -> None:
-        self._value: Any = _PENDING
-        self._error: BaseException | None = None
-        self._task: Any = None
-
-    def set(self, value: Any) -> None:
-        if self._value is _PENDING and self._error is None:
-            self._value = value
-            self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        if self._value is _PENDING and self._error is None:
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        task = self._task
-        if task is not None:
-            self._task = None
-            _trio_lowlevel().reschedule(task)
-
-    @property
-    def done(self) -> bool:
-        return self._value is not _PENDING or self._error is not None
-
-    def expire(self) -> None:
-        self.fail(TimeoutError())
-
-    def _abort(self, _: Any) -> Any:
-        self._task = None
-        # The waiter is gone (cancelled): done, so a pending deadline does not outlive it.
-        if not self.done:
-            self._error = _ABANDONED
-        return _trio_lowlevel().Abort.SUCCEEDED
-
-    async def wait(self, timeout: float | None) -> Any:
-        if not self.done:
-            lowlevel = _trio_lowlevel()
-            if timeout is not None:
-                trio_deadlines().add(timeout, self)
-            self._task = lowlevel.current_task()
-            await lowlevel.wait_task_rescheduled(self._abort)
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-_lowlevel: Any = None
-
-
-def _trio_lowlevel() -> Any:
-    global _lowlevel
-    if _lowlevel is None:
-        import trio
-
-        _lowlevel = trio.lowlevel
-    return _lowlevel
-
-
-class _TrioBackend:
-    name = "trio"
-
-    def parking(self) -> Parking:
-        return _TrioParking()
-
-    def reply(self) -> Reply:
-        return _TrioReply()
-
-    async def yield_now(self) -> None:
-        await _trio_lowlevel().checkpoint()
-
-
 def backend() -> Backend:
     """The implementation for the running event loop."""
     if sniffio.current_async_library() == "trio":
-        return _TrioBackend()
+        from actors._backend_trio import TrioBackend
+
+        return TrioBackend()
     return _AioBackend(asyncio.get_running_loop())

@@ -8,6 +8,7 @@ items are queued. That keeps a tell well under a microsecond and an ask to two t
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Awaitable
 from typing import Any
 
 from actors._backend import Backend, Parking
@@ -24,16 +25,21 @@ Item = tuple[int, Any, Any]
 
 
 class Mailbox:
-    """A bounded FIFO with back-pressure for many senders and exactly one receiver."""
+    """A bounded FIFO with back-pressure for many senders and exactly one receiver.
+
+    The receiver (the serve loop) pops :attr:`items` itself and, for each item it takes, pops and
+    wakes the first of :attr:`space_waiters`: a method call per message costs a tenth of a tell.
+    """
 
     __slots__ = (
         "_backend",
         "_closed",
+        "_parked",
         "_receiver",
-        "_space_waiters",
         "capacity",
         "items",
         "put_count",
+        "space_waiters",
     )
 
     def __init__(self, backend: Backend, capacity: int) -> None:
@@ -41,7 +47,8 @@ class Mailbox:
         self.items: deque[Item] = deque()
         self.capacity = capacity
         self._receiver: Parking = backend.parking()
-        self._space_waiters: deque[Parking] = deque()
+        self._parked = False  # the receiver waits in wait_nonempty: a put must wake it
+        self.space_waiters: deque[Parking] = deque()
         self._closed = False
         self.put_count = 0
 
@@ -52,13 +59,21 @@ class Mailbox:
     def closed(self) -> bool:
         return self._closed
 
+    def try_put(self, item: Item) -> bool:
+        """Queue ``item`` if there is room; ``False`` (nothing queued) at capacity."""
+        items = self.items
+        if len(items) >= self.capacity:
+            return False
+        items.append(item)
+        self.put_count += 1
+        if self._parked:  # checked here: a call per put would cost a tenth of a tell
+            self.wake()
+        return True
+
     def put_nowait(self, item: Item) -> None:
         """Queue ``item``; :class:`MailboxFull` at capacity."""
-        if len(self.items) >= self.capacity:
+        if not self.try_put(item):
             raise MailboxFull(f"mailbox full ({self.capacity} messages)")
-        self.items.append(item)
-        self.put_count += 1
-        self._receiver.unpark()
 
     def put_system(self, item: Item) -> None:
         """Queue a runtime message (a Down or Exit notice) regardless of capacity: dropping it
@@ -67,7 +82,7 @@ class Mailbox:
             return
         self.items.append(item)
         self.put_count += 1
-        self._receiver.unpark()
+        self.wake()
 
     async def put(self, item: Item) -> bool:
         """Queue ``item``, waiting for room; ``False`` if the mailbox closed meanwhile."""
@@ -75,42 +90,47 @@ class Mailbox:
             if self._closed:
                 return False
             spot = self._backend.parking()
-            self._space_waiters.append(spot)
+            self.space_waiters.append(spot)
             try:
                 await spot.park()
-            finally:
+            except BaseException:
                 try:
-                    self._space_waiters.remove(spot)
+                    self.space_waiters.remove(spot)
                 except ValueError:
-                    pass
+                    # Woken for a free slot, then cancelled: hand the slot to the next sender.
+                    self._wake_sender()
+                raise
         if self._closed:
             return False
         self.put_nowait(item)
         return True
 
+    def _wake_sender(self) -> None:
+        if self.space_waiters and len(self.items) < self.capacity:
+            self.space_waiters.popleft().unpark()
+
     def abandon(self, reply: Any) -> None:
         """A local handler runs to completion; its reply is dropped (as OTP's calls)."""
 
-    def pop(self) -> Item:
-        item = self.items.popleft()
-        if self._space_waiters:
-            self._space_waiters[0].unpark()
-        return item
-
-    async def wait_nonempty(self) -> None:
-        """Park the receiver until something is queued or :meth:`wake` is called."""
-        if not self.items:
-            await self._receiver.park()
+    def wait_nonempty(self) -> Awaitable[None]:
+        """Await it to park the receiver, which found no items, until something is queued or
+        :meth:`wake` is called."""
+        # Only a waker clears the flag: left set by a cancelled receiver, it costs a put one
+        # wake-up of nobody, while a receiver parked with it clear would never be woken.
+        self._parked = True
+        return self._receiver.park()
 
     def wake(self) -> None:
-        """Wake the receiver so it re-checks its stop flag."""
-        self._receiver.unpark()
+        """Wake the receiver (to take an item, or to re-check its stop flag)."""
+        if self._parked:
+            self._parked = False
+            self._receiver.unpark()
 
     def close(self) -> list[Item]:
         """Refuse further items; return what was still queued."""
         self._closed = True
         left = list(self.items)
         self.items.clear()
-        for spot in self._space_waiters:
-            spot.unpark()
+        while self.space_waiters:
+            self.space_waiters.popleft().unpark()
         return left

@@ -100,6 +100,10 @@ class Inbox(Protocol):
 
     def __len__(self) -> int: ...
 
+    def try_put(self, item: Item) -> bool:
+        """Queue ``item`` unless that would wait for room (then ``False``, nothing queued)."""
+        ...
+
     def put_nowait(self, item: Item) -> None: ...
 
     def put_system(self, item: Item) -> None: ...
@@ -114,7 +118,10 @@ ExitListener = Callable[[ExitReason], None]
 
 
 class Cell:
-    """The mutable binding behind a ref: current inbox, state, exit listeners."""
+    """The mutable binding behind a ref: current inbox, state, exit listeners.
+
+    ``inbox`` is set exactly while the state is ``RUNNING``: the hot path checks only it.
+    """
 
     __slots__ = (
         "_bind_waiters",
@@ -167,6 +174,8 @@ class Cell:
 
     def set_state(self, state: CellState) -> None:
         self.state = state
+        if state is not CellState.RUNNING:
+            self.inbox = None
         if state is not CellState.RESTARTING:
             self._wake_bind_waiters()
 
@@ -269,22 +278,20 @@ class ActorRef(Generic[R]):
 
     def tell_nowait(self, message: Any) -> None:
         """Send without waiting: :class:`MailboxFull` at capacity, a typed error if not running."""
-        cell = self._cell
-        inbox = cell.inbox
-        if cell.state is not CellState.RUNNING or inbox is None:
-            raise cell.not_running_error()
+        inbox = self._cell.inbox
+        if inbox is None:
+            raise self._cell.not_running_error()
         inbox.put_nowait((TELL, message, None))
 
     async def tell(self, message: Any) -> None:
         """Send, waiting while the mailbox is full (back-pressure); a schedule point only then."""
-        cell = self._cell
-        inbox = cell.inbox
-        if cell.state is not CellState.RUNNING or inbox is None:
-            inbox = await cell.wait_running()
-        if len(inbox) < inbox.capacity:
-            inbox.put_nowait((TELL, message, None))
-        elif not await inbox.put((TELL, message, None)):
-            raise cell.not_running_error()
+        # The hot path: one attribute walk to the inbox and one call (see Cell.inbox).
+        inbox = self._cell.inbox
+        if inbox is None:
+            inbox = await self._cell.wait_running()
+        item = (TELL, message, None)
+        if not inbox.try_put(item) and not await inbox.put(item):
+            raise self._cell.not_running_error()
 
     @overload
     async def ask(self, message: Call[T], *, timeout: float | None = ...) -> T: ...
@@ -300,14 +307,13 @@ class ActorRef(Generic[R]):
         """
         cell = self._cell
         inbox = cell.inbox
-        if cell.state is not CellState.RUNNING or inbox is None:
+        if inbox is None:
             inbox = await cell.wait_running()
-        assert cell.backend is not None
-        reply = cell.backend.reply()
+        backend = cell.backend
+        assert backend is not None  # bound with the inbox
+        reply = backend.reply()
         item = (ASK, message, reply)
-        if len(inbox) < inbox.capacity:
-            inbox.put_nowait(item)
-        else:
+        if not inbox.try_put(item):
             timeout = await _put_within(cell, inbox, item, timeout)
         try:
             return await reply.wait(timeout)
@@ -325,7 +331,7 @@ class ActorRef(Generic[R]):
         """
         cell = self._cell
         inbox = cell.inbox
-        if cell.state is not CellState.RUNNING or inbox is None or cell.backend is None:
+        if inbox is None or cell.backend is None:
             raise cell.not_running_error()
         channel = StreamChannel(cell.backend, buffer)
         inbox.put_system((STREAM, message, channel))

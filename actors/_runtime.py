@@ -228,16 +228,27 @@ class Incarnation:
     async def _serve_round(self, streams: anyio.abc.TaskGroup, scope: anyio.CancelScope) -> None:
         mailbox = self.mailbox
         items = mailbox.items
+        take = items.popleft
+        senders = mailbox.space_waiters
         receive = self.actor.receive
         reply_errors = self._reply_errors
         budget = _FAIRNESS
         yield_now = self.backend.yield_now
         while self.stop_reason is None:
             if not items:
+                budget = _FAIRNESS  # parking lets the other tasks run
                 await mailbox.wait_nonempty()
                 continue
-            kind, message, extra = mailbox.pop()
-            if kind == ASK:
+            # Each item taken frees a slot for the first blocked sender (see Mailbox).
+            kind, message, extra = take()
+            if senders:
+                senders.popleft().unpark()
+            if kind == TELL:
+                try:
+                    await receive(message)
+                except reply_errors:
+                    pass  # a reply error to a tell has nobody to go to
+            elif kind == ASK:
                 try:
                     result = await receive(message)
                 except reply_errors as exc:
@@ -249,11 +260,6 @@ class Incarnation:
                     raise
                 else:
                     extra.set(result)
-            elif kind == TELL:
-                try:
-                    await receive(message)
-                except reply_errors:
-                    pass  # a reply error to a tell has nobody to go to
             elif kind == STREAM:
                 # Stream pumps share the actor's task group (one group per actor is cheaper
                 # than two); _wait_pumps gives them the graceful exit a group of their own would.

@@ -1,9 +1,12 @@
 """Ask timeouts without a timer per ask.
 
 A timer handle (asyncio) or a cancel scope with a deadline (trio) per ask costs about a third of
-a local round trip. Instead, each event loop keeps one FIFO per distinct timeout value: deadlines
-in a FIFO only grow, so one sweep every :data:`TICK` seconds fails what expired and drops what
-finished, from the front. Timeouts fire up to one tick late (the default ask timeout is 5 s).
+a local round trip, and even a clock read per ask is a tenth of a tell. Instead, an ask only
+notes its timeout; each event loop sweeps every :data:`TICK` seconds. A sweep stamps the asks
+noted since the last one with its own time (at or after they were made, so a deadline is never
+early), dropping those already answered (nearly all), and files the rest in one FIFO per distinct
+timeout value, whose deadlines only grow: it fails what expired and drops what finished from the
+front. Timeouts fire up to two ticks late (the default ask timeout is 5 s).
 """
 
 from __future__ import annotations
@@ -14,31 +17,25 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TICK", "aio_deadlines", "trio_deadlines"]
+__all__ = ["TICK", "Deadlines", "aio_deadlines", "trio_deadlines"]
 
 TICK = 0.01
 _COMPACT_AT = 4096  # a long-pending ask at the front keeps finished ones behind it: prune then
 
 
 class Deadlines:
-    """Pending deadlines of one event loop: ``(when, expired?, expire)`` entries per timeout."""
+    """Pending deadlines of one event loop, for objects with ``done`` and ``expire()``."""
 
     def __init__(self, now: Callable[[], float], arm: Callable[[], None]) -> None:
         self._now = now
         self._arm = arm
-        self._queues: dict[float, deque[tuple[float, Any]]] = {}
+        self._noted: list[tuple[float, Any]] = []  # (timeout, reply) since the last sweep
+        self._queues: dict[float, deque[tuple[float, Any]]] = {}  # (deadline, reply)
         self.armed = False
 
     def add(self, timeout: float, reply: Any) -> None:
-        """Expire ``reply`` (an object with ``done`` and ``expire()``) after ``timeout``."""
-        queue = self._queues.get(timeout)
-        if queue is None:
-            queue = self._queues[timeout] = deque()
-        queue.append((self._now() + timeout, reply))
-        if len(queue) > _COMPACT_AT and len(queue) % _COMPACT_AT == 0:
-            live = [entry for entry in queue if not entry[1].done]
-            queue.clear()
-            queue.extend(live)
+        """Expire ``reply`` after ``timeout`` seconds (and at most two ticks more)."""
+        self._noted.append((timeout, reply))
         if not self.armed:
             self.armed = True
             self._arm()
@@ -46,8 +43,21 @@ class Deadlines:
     def sweep(self) -> bool:
         """Expire what is due; ``True`` while anything is still pending."""
         now = self._now()
+        noted, self._noted = self._noted, []
+        queues = self._queues
+        for timeout, reply in noted:
+            if reply.done:
+                continue
+            queue = queues.get(timeout)
+            if queue is None:
+                queue = queues[timeout] = deque()
+            queue.append((now + timeout, reply))
+            if len(queue) > _COMPACT_AT and len(queue) % _COMPACT_AT == 0:
+                live = [entry for entry in queue if not entry[1].done]
+                queue.clear()
+                queue.extend(live)
         pending = False
-        for queue in self._queues.values():
+        for queue in queues.values():
             while queue:
                 when, reply = queue[0]
                 if reply.done:

@@ -1,6 +1,6 @@
 """Actor core and supervisor costs on asyncio and trio, against anyio/asyncio baselines.
 
-    python benchmarks/actors.py [--quick]
+    python -m benchmarks.actors [--quick]   (as a script, this file would shadow the actors package)
 
 Prints a table, then one JSON line with ask_rtt_us_p50_{asyncio,trio},
 tell_msgs_per_s_{asyncio,trio}, restart_us_p50_{asyncio,trio}, spawn_10k_actors_s and the

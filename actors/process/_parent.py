@@ -103,6 +103,10 @@ class _Forwarder:
 
     put_system = put_nowait
 
+    def try_put(self, item: Item) -> bool:
+        self.put_nowait(item)  # unbounded (capacity 2**62): a send never waits for room
+        return True
+
     def abandon(self, reply: Any) -> None:
         """The caller gave up: abort the remote handler."""
         owner = self._owner

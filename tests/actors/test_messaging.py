@@ -64,6 +64,11 @@ class Counter(Actor):
             case ("cancel", anyio.CancelScope() as scope):
                 scope.cancel()
                 return None
+            case ("call-then-block", fn) if callable(fn):
+                fn()
+                self.gate = anyio.Event()
+                await self.gate.wait()
+                return None
         return await super().receive(message)
 
 
@@ -95,6 +100,18 @@ async def test_ask_timeout_raises_ask_timeout_and_actor_goes_on() -> None:
         actor_gate.set()
         assert await ref.ask(Add(2)) == 2  # the late reply went nowhere; order kept
         assert ref.statistics().incarnation == 1
+
+
+async def test_a_cancelled_asker_leaves_no_pending_deadline() -> None:
+    async with open_supervisor([ChildSpec("c", Counter)]) as sup:
+        ref = await sup.child("c")
+        with anyio.move_on_after(0.05):
+            await ref.ask("block", timeout=60)
+        deadlines = ref._cell.backend.deadlines
+        # Still unanswered, the cancelled ask is dropped by the sweeps: nothing stays pending.
+        await wait_until(lambda: not deadlines.armed)
+        (await _gate_of(ref)).set()  # its late reply goes nowhere
+        assert await ref.ask(Add(1)) == 1
 
 
 async def test_ask_timeout_covers_waiting_for_mailbox_room() -> None:
@@ -345,6 +362,34 @@ async def test_a_cancelled_waiting_sender_passes_its_wake_up_on() -> None:
         seen = await ref.ask("seen?")
         assert "second" in seen
         assert seen[0] == "a"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_sender_cancelled_after_its_wake_up_hands_the_slot_on() -> None:
+    """One slot frees up and the sender it woke is cancelled before it runs, while the actor is
+    busy: the next waiting sender takes the slot. Only a plain asyncio ``Task.cancel`` (as
+    ``asyncio.timeout`` does) can do that: trio cannot cancel a woken task, and anyio's cancel
+    scopes wait until it has run."""
+    import asyncio
+
+    async with open_supervisor([ChildSpec("c", Small)]) as sup:
+        ref = await sup.child("c")
+        await ref.tell("block")
+        blocked = await _gate_of(ref)
+        first: list[asyncio.Task[None]] = []
+        ref.tell_nowait(("call-then-block", lambda: first[0].cancel()))
+        ref.tell_nowait(("seen", "a"))
+        first.append(asyncio.ensure_future(ref.tell(("seen", "first"))))
+        async with anyio.create_task_group() as tg:
+            await anyio.sleep(0.01)
+            tg.start_soon(ref.tell, ("seen", "second"))
+            await anyio.sleep(0.01)
+            blocked.set()  # one pop wakes the first sender; the actor cancels it, then blocks
+            await wait_until(lambda: ref.statistics().messages_received == 4)
+            (await _gate_of(ref)).set()
+        await asyncio.wait(first)
+        assert first[0].cancelled()
+        assert await ref.ask("seen?") == ["a", "second"]
 
 
 async def test_statistics() -> None:
