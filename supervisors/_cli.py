@@ -47,9 +47,8 @@ def configure_logging(level: str) -> None:
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
-        # Each module's logger is bound once, not on every call: a supervisor logs (at debug,
-        # filtered out) twice per request stream, and re-binding cost more than the rest of it.
-        cache_logger_on_first_use=True,
+        # No cache_logger_on_first_use: a cached module logger ignores any later configure()
+        # (capture_logs in tests, an embedding app's own setup) for the rest of the process.
     )
 
 
