@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 
 from actors import Actor, ExitReason, ReplyError
@@ -234,13 +235,17 @@ class EngineHost(Actor):
         assert self.engine is not None
         bridge = self.bridge if live else None
         for rid in list(self._running):
-            if rid in self._handed_over:
-                continue  # a drain again: already on its way out
+            if rid in self._handed_over or rid not in self._running:
+                continue  # a drain again (already on its way out), or it finished meanwhile
             offer = bridge.hand_over(rid) if bridge is not None else None
             self._handed_over[rid] = (error, offer)
             self._handovers["replay" if offer is None else "live"] += 1
             if offer is None:
                 await self.engine.abort(rid)
+            else:
+                # Let its stream publish the offer now: the next worker starts pulling this
+                # request's KV while the others are handed over (one by one, each costs time).
+                await anyio.lowlevel.checkpoint()
 
     def _outputs(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         assert self.engine is not None

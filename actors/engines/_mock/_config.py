@@ -29,7 +29,8 @@ EngineRole = Literal["aggregated", "prefill", "decode"]
 class TimingModel(msgspec.Struct, frozen=True, kw_only=True):
     """How long a forward pass takes, by default Dynamo's mocker polynomials.
 
-    A step that prefills ``t`` (uncached) tokens and decodes a batch at KV fraction ``p`` takes
+    A step that prefills ``t`` (uncached) tokens and decodes a batch at KV fraction ``p`` (the
+    blocks in use, less those allocated for a KV transfer still in flight) takes
     ``prefill_ms(t) + decode_ms(p)`` milliseconds (each term only when that phase is in the step),
     divided by ``speedup``. ``instant`` removes simulated time altogether (overhead benchmarks).
     """

@@ -332,7 +332,11 @@ class RankScheduler(LoopMixin):
         if not chunks and not decode:
             return None
         prefill = sum(n for _, n in chunks)
-        frac = self.pool.used / cfg.num_blocks
+        # The step reads the KV of the requests it computes: pages allocated for a transfer
+        # still in flight are not read (16 live migrations landing must not make the first
+        # one's solo decode steps cost as much as a batch of 16).
+        waiting_kv = sum(len(r.blocks) for r in self.running if r.phase is Phase.AWAITING_KV)
+        frac = (self.pool.used - waiting_kv) / cfg.num_blocks
         seconds = cfg.timing.step_seconds(prefill, bool(decode), frac)
         return chunks, self.batch.hi if decode else 0, seconds, prefill, decode, frac
 

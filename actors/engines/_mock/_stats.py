@@ -135,9 +135,8 @@ class IntrospectionMixin:
     ) -> list[int]:
         """Indices of the pages of ``tokens`` (in ``block_ids``, page i in block_ids[i]) whose
         content is wrong; empty when every page, the trailing partial one included, is right."""
-        memory = self._memories[dp_rank]
         hashes = prompt_page_hashes(tokens, self._ranks[dp_rank].cfg.block_size)
-        return [i for i, h in enumerate(hashes) if not memory.verify(block_ids[i], h)]
+        return self._memories[dp_rank].bad_pages(block_ids, hashes)
 
     def block_checksum(self, block_id: int, dp_rank: int = 0) -> int:
         """The checksum of what ``block_id`` holds (compare with ``page_checksum``)."""

@@ -108,7 +108,7 @@ class TransferMixin:
         bs = sched.cfg.block_size
         prompt = req.seq[: req.prompt_len]
         hashes = prompt_page_hashes(prompt, bs)
-        bad = [i for i, h in enumerate(hashes) if not memory.verify(req.blocks[i], h)]
+        bad = memory.bad_pages(req.blocks, hashes)
         if bad:
             error = KVCorrupted(
                 f"{rid}: {len(bad)} of {len(hashes)} KV pages failed verification "
