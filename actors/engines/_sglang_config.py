@@ -140,7 +140,7 @@ def kv_events_config(raw: str | Mapping[str, Any] | None, dp: int, enable: bool)
         if cfg.get("publisher", "null") == "null":
             return None
         cfg["endpoint"] = _loopback_endpoint(
-            str(cfg.get("endpoint", "tcp://*:5557")), dp, "KV events"
+            str(cfg.get("endpoint", f"tcp://{LOOPBACK}:5557")), dp, "KV events"
         )
     if cfg.get("replay_endpoint"):
         cfg["replay_endpoint"] = _loopback_endpoint(str(cfg["replay_endpoint"]), dp, "KV replay")
