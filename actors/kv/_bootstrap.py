@@ -37,7 +37,8 @@ class KVConfig:
     aborts the peer's rooms and frees their pages; decode fails its rooms with a migratable
     :class:`~protocols.errors.KVTransferError`).
     ``bootstrap_timeout``: how long prefill waits for decode's page list (and a room request
-    for a room prefill has not opened yet is kept), and how long decode waits for ``Welcome``.
+    for a room prefill has not opened yet is kept); decode forgets a prefill endpoint silent
+    that long with nothing of its own left there. Decode waits ``peer_timeout`` for ``Welcome``.
     ``transfer_timeout``: one WRITE, post to done. ``receive_timeout``: decode's default wait
     for a room's KV, from its request (so it includes prefill's compute time).
     ``settle_timeout``: how long an aborted WRITE may take to become terminal.

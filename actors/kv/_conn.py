@@ -105,6 +105,11 @@ class PrefillConnection:
         return self.welcome is not None
 
     @property
+    def idle(self) -> bool:
+        """No room waits on this connection and no page of ours is quarantined on it."""
+        return not self.rooms and not self.quarantine
+
+    @property
     def incarnation(self) -> int | None:
         return self.welcome.incarnation if self.welcome is not None else None
 

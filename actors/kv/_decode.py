@@ -73,6 +73,7 @@ class DecodeStatistics:
     stray_notifications: int
     prefill_restarts_seen: int
     lazy_connects: int
+    prewarm_failures: int
 
 
 class DecodeKV:
@@ -100,7 +101,10 @@ class DecodeKV:
         self._hello: Hello | None = None
         self._poke: anyio.Event | None = None
         self._changed: anyio.Event | None = None
-        self._stats = {"done": 0, "failed": 0, "corrupted": 0, "bytes": 0, "stray": 0, "lazy": 0}
+        self._stats = dict.fromkeys(
+            ("done", "failed", "corrupted", "bytes", "stray", "lazy", "prewarm_failed", "restarts"),
+            0,
+        )
 
     async def __aenter__(self) -> DecodeKV:
         self.pool.register(self.agent)
@@ -135,7 +139,8 @@ class DecodeKV:
     async def connect(self, endpoint: str) -> None:
         """Meet the prefill worker at ``endpoint`` (pre-warm: metadata exchanged, NIXL connected).
 
-        Idempotent; waits up to ``bootstrap_timeout`` for its ``Welcome``.
+        Idempotent; waits up to ``peer_timeout`` for its ``Welcome``: a prefill that does not
+        answer for that long is dead or hung, as for a peer it already knew.
         """
         conn = self._conns.get(endpoint)
         if conn is None:
@@ -148,7 +153,19 @@ class DecodeKV:
             self._conns[endpoint] = conn
             self._tg.start_soon(conn.run)
             conn.say_hello()
-        await conn.wait_ready(self.config.bootstrap_timeout)
+        await conn.wait_ready(self.config.peer_timeout)
+
+    def connect_soon(self, endpoint: str) -> None:
+        """:meth:`connect` in the background (a pre-warm): the caller does not wait, and a peer
+        that does not answer is only counted (a request to it fails and migrates)."""
+        assert self._tg is not None, "use DecodeKV in async with"
+        self._tg.start_soon(self._prewarm, endpoint)
+
+    async def _prewarm(self, endpoint: str) -> None:
+        try:
+            await self.connect(endpoint)
+        except KVTransferError:
+            self._stats["prewarm_failed"] += 1
 
     async def receive(
         self,
@@ -245,8 +262,9 @@ class DecodeKV:
             pages_quarantined=sum(len(a) for c in conns for a in c.quarantine.values()),
             bytes_received=s["bytes"],
             stray_notifications=s["stray"],
-            prefill_restarts_seen=sum(c.restarts_seen for c in conns),
+            prefill_restarts_seen=s["restarts"] + sum(c.restarts_seen for c in conns),
             lazy_connects=s["lazy"],
+            prewarm_failures=s["prewarm_failed"],
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -349,14 +367,21 @@ class DecodeKV:
         self._stats["stray"] += 1
 
     async def _heartbeat(self) -> None:
-        """Ping every prefill peer; one silent for ``peer_timeout`` is declared dead."""
+        """Ping every prefill peer; one silent for ``peer_timeout`` is declared dead. A peer
+        silent for ``bootstrap_timeout`` with nothing of ours left on it is forgotten (a restarted
+        prefill has a new endpoint: its old one would be pinged for ever)."""
         cfg = self.config
         while True:
             now = time.monotonic()
-            for conn in self._conns.values():
+            for endpoint, conn in list(self._conns.items()):
                 conn.ping()
-                if conn.ready and now - conn.last_seen > cfg.peer_timeout:
+                silent = now - conn.last_seen
+                if conn.ready and silent > cfg.peer_timeout:
                     conn.lost(KVTransferError(f"prefill at {conn.endpoint} lost (no heartbeat)"))
+                elif not conn.ready and silent > cfg.bootstrap_timeout and conn.idle:
+                    del self._conns[endpoint]
+                    self._stats["restarts"] += conn.restarts_seen
+                    conn.close()
                 elif not conn.ready and now - conn.hello_sent_at > cfg.peer_timeout:
                     conn.say_hello()  # a safety net: restarts are noticed through Pong/Unknown
             await anyio.sleep(cfg.heartbeat_interval)

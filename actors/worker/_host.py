@@ -134,8 +134,9 @@ class EngineHost(Actor):
                     else self._capacity
                 )
             case c.ConnectPeer(endpoint=endpoint):
+                # In the background: a prefill that is gone must not hold this mailbox.
                 if self.bridge is not None:
-                    await self.bridge.connect(endpoint)
+                    self.bridge.connect_soon(endpoint)
             case c.Abort(rid=rid):
                 # A handed-over request's pages go once its room is terminal, not before.
                 if self.bridge is None or not self.bridge.abort_handover(rid):

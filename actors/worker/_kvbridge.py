@@ -211,10 +211,10 @@ class KVBridge:
             del self._handovers[rid]
             self.transfer.release(rid)
 
-    async def connect(self, endpoint: str) -> None:
-        """Decode: meet a prefill worker ahead of its first request (pre-warm)."""
+    def connect_soon(self, endpoint: str) -> None:
+        """Decode: start meeting a prefill worker ahead of its first request (pre-warm)."""
         if self.role == "decode":
-            await self.service.connect(endpoint)
+            self.service.connect_soon(endpoint)
 
     async def prefill(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         """Run the prompt; then WRITE its pages to decode; the stream ends when the transfer has

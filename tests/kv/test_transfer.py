@@ -319,3 +319,21 @@ async def test_decode_restarted_on_same_worker_id_and_agent_name(ipc_dir: str) -
             assert stats.xfers_live == 0
             assert stats.registrations == 2  # the pool and the probe scratch
             assert stats.dlists_live == 1  # the local pool's prepared page list; peers' are gone
+
+
+async def test_a_silent_prefill_fails_connect_fast_and_is_forgotten(ipc_dir: str) -> None:
+    # Nobody listens here: a prefill that died before decode ever met it. Decode must not wait
+    # its bootstrap timeout (requests and the worker's mailbox would stall that long), and must
+    # not keep pinging the dead endpoint for ever.
+    gone = f"ipc://{ipc_dir}/gone"
+    config = KVConfig(heartbeat_interval=0.05, peer_timeout=0.3, bootstrap_timeout=1.0)
+    async with local_decode(config=config) as kv:
+        with anyio.fail_after(config.bootstrap_timeout), pytest.raises(KVTransferError):
+            await kv.connect(gone)
+        kv.connect_soon(gone)  # a pre-warm: counted, not raised
+
+        async def forgotten() -> bool:
+            stats = kv.statistics()
+            return stats.connections == 0 and stats.prewarm_failures == 1
+
+        await eventually(forgotten)
