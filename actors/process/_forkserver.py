@@ -74,10 +74,11 @@ class ForkServer:
     def pid(self) -> int:
         return self._proc.pid
 
-    def spawn(self, args: list[Any]) -> int:
-        """Fork a child running ``_child.main(*args)``; its pid (blocking: run in a thread)."""
+    def spawn(self, args: list[Any], preload: list[str]) -> int:
+        """Fork a child running ``_child.main(*args)``, once the server has imported
+        ``preload``; its pid (blocking: run in a thread)."""
         with self._lock:
-            _write(self._in, ["spawn", args])
+            _write(self._in, ["spawn", args, preload])
             while True:
                 event = _read(self._out_fd)
                 if event[0] == "pid":
@@ -130,8 +131,15 @@ def _serve() -> None:
     # Ctrl-C reaches the whole process group: the root decides how its actors stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    for name in sys.argv[1:]:
-        importlib.import_module(name)
+    def preload(names: list[str]) -> None:
+        for name in names:
+            if name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except ImportError:
+                    pass  # the child imports it again and reports why
+
+    preload(sys.argv[1:])
     from actors.process._child import main as child_main
 
     commands = sys.stdin.buffer.fileno()
@@ -147,6 +155,7 @@ def _serve() -> None:
         except EOFError:
             break
         if command[0] == "spawn":
+            preload(command[2])  # modules added after the server started
             pid = os.fork()
             if pid == 0:
                 os.close(commands)

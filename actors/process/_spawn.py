@@ -11,8 +11,7 @@ _PRELOAD = ["actors.process._child", "zmq", "anyio", "msgspec", "protocols.codec
 
 
 def preload(modules: Iterable[str]) -> None:
-    """Add modules the forkserver imports once for every child (effective before the first
-    process actor starts)."""
+    """Add modules the forkserver imports once for every child it forks from then on."""
     for name in modules:
         if name not in _PRELOAD:
             _PRELOAD.append(name)
@@ -23,7 +22,7 @@ def start_process(endpoints: list[str], factory: str, args: bytes, options: byte
     thread)."""
     from actors.process._forkserver import forkserver
 
-    return forkserver(_PRELOAD).spawn([endpoints, factory, args, options])
+    return forkserver(_PRELOAD).spawn([endpoints, factory, args, options], _PRELOAD)
 
 
 def exit_code(pid: int) -> int | None:

@@ -49,8 +49,7 @@ class Serving:
             self.tokenizer = ByteTokenizer()
         if config.backend == "hf":
             # Engine processes fork from our forkserver: with torch and transformers imported
-            # there once, a worker (re)start skips seconds of imports. Effective when this is
-            # the first process actor the forkserver starts.
+            # there once (before its next fork), a worker (re)start skips seconds of imports.
             preload(["torch", "actors.engines._hf"])
         self.port: int | None = None
         self.admission = Admission()
