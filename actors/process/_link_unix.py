@@ -139,20 +139,26 @@ class UnixLink(Link):
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
-        if not self._usable():
+        if self.closed or self.broken:
+            self._usable()  # raises once closed; on a broken link the message is dropped
             return
         size = len(data)
-        if size > _MAX_MESSAGE:
+        pieces: tuple[bytes, ...]
+        if size < _SMALL:
+            pieces = (_pack(size) + data,)
+        elif size <= _MAX_MESSAGE:
+            pieces = (_pack(size), data)
+        else:
             raise ValueError(f"a message of {size} bytes is over the unix link's 4 GiB limit")
-        pieces: list[bytes | memoryview] = (
-            [_pack(size) + data] if size < _SMALL else [_pack(size), data]
-        )
         sock = self._sock
         if self._backlog or sock is None:
             self._backlog.extend(pieces)  # after what waits, or until the peer connects
             return
         try:
-            sent = sock.sendmsg(pieces, (), _NOSIGNAL)
+            if len(pieces) == 1:
+                sent = sock.send(pieces[0], _NOSIGNAL)
+            else:
+                sent = sock.sendmsg(pieces, (), _NOSIGNAL)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
@@ -196,11 +202,15 @@ class UnixLink(Link):
     def _read(self) -> None:
         sock = self._sock
         assert sock is not None
+        buf, view = self._buf, self._view
         if self._end - self._start >= _PREFIX:
             self._handle_frames()  # left by a handler that raised
         while not self.closed:
-            big = self._big
-            target = self._view[self._end :] if big is None else memoryview(big)[self._big_filled :]
+            big, end = self._big, self._end
+            if big is not None:
+                target = memoryview(big)[self._big_filled :]
+            else:
+                target = view[end:] if end else view
             try:
                 n = sock.recv_into(target)
             except BlockingIOError:
@@ -211,14 +221,16 @@ class UnixLink(Link):
             if n == 0:
                 self.peer_closed = True
                 raise LinkBroken("the peer closed the link")
-            if big is None:
-                self._end += n
-                self._handle_frames()
-            else:
+            if big is not None:
                 self._big_filled += n
                 if self._big_filled == len(big):
                     self._big = None
                     self._on_message(big)
+            elif not end and n == _PREFIX + _unpack_from(buf)[0]:
+                self._on_message(buf[_PREFIX:n])  # one whole frame: the usual round trip
+            else:
+                self._end = end + n
+                self._handle_frames()
             if n < len(target):
                 return  # a short read: the socket is empty now
 
