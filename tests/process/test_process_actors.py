@@ -58,6 +58,22 @@ async def test_tell_ask_stream_across_processes(transport: Transport) -> None:
             assert [r async for r in replies] == list(range(3000))
 
 
+@over_transports
+async def test_child_on_trio(transport: Transport) -> None:
+    opts = attrs.evolve(_fast(transport), backend="trio")
+    async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
+        ref = await sup.child("echo")
+        blob = os.urandom(4 * 1024 * 1024)
+        assert await ref.ask(("echo", blob), timeout=30) == blob
+        async with ref.stream(("count", 3000), buffer=64) as replies:
+            assert [r async for r in replies] == list(range(3000))
+        with anyio.move_on_after(0.1):
+            await ref.ask(("sleep", 30), timeout=None)
+        with anyio.fail_after(5):
+            while await ref.ask("aborted") != 1:
+                await anyio.sleep(0.01)
+
+
 async def test_stream_producer_stays_within_its_credit() -> None:
     async with open_supervisor([process_child("echo", ECHO, options=FAST)]) as sup:
         ref = await sup.child("echo")
