@@ -218,6 +218,16 @@ async def test_child_failing_or_exiting_during_start(transport: Transport) -> No
     assert isinstance(exited.value.cause, ProcessDied)
 
 
+async def test_child_that_never_connects_fails_its_start_in_time() -> None:
+    opts = attrs.evolve(FAST, start_timeout=0.5)
+    with anyio.fail_after(10), pytest.raises(ChildStartFailed) as failed:
+        async with open_supervisor(
+            [process_child("x", "tests.process.workers:HangsBeforeConnecting", options=opts)]
+        ):
+            pass
+    assert isinstance(failed.value.cause, TimeoutError)
+
+
 async def test_crash_loop_backs_off_then_recovers(tmp_path: object) -> None:
     counter = str(tmp_path) + "/starts"  # type: ignore[operator]
     spec = process_child(

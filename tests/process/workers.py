@@ -118,6 +118,11 @@ class FailsToStart(Actor):
         raise RuntimeError("cannot start")
 
 
+class HangsBeforeConnecting(Actor):
+    def __init__(self) -> None:
+        time.sleep(30)  # built before the child connects to its parent
+
+
 class ExitsDuringStart(Actor):
     async def started(self) -> None:
         os._exit(7)
