@@ -3,8 +3,8 @@
 Two transports behind one :class:`Link`:
 
 - ``"unix"`` (the default, :mod:`actors.process._link_unix`): one Unix-domain stream socket with
-  length-prefixed messages, read and written straight by the event loop's thread. A round trip
-  costs two syscalls a side and no thread hand-off.
+  length-prefixed messages, read and written straight by the event loop's thread: a message
+  costs one send and one receive (besides the loop's wait), and no thread hand-off.
 - ``"ipc"`` and ``"tcp"`` (``tcp://127.0.0.1``, the cross-host path;
   :mod:`actors.process._link_zmq`): ZMQ PUSH/PULL sockets, one ZMQ frame per message. ZMQ's I/O
   thread adds two thread hand-offs per direction.

@@ -277,8 +277,8 @@ async def test_large_and_many_messages(transport: Transport) -> None:
         assert await ref.ask(blob, timeout=30) == len(blob)
         assert await ref.ask(("echo", blob), timeout=30) == blob  # 16 MiB each way
         sizes = [0, 1, 255, 4096, 65535, 65536, 262_139, 262_144, 300_001, 2_000_000]
-        replies = await _gather([ref.ask(("echo", os.urandom(n)), timeout=30) for n in sizes])
-        assert [len(r) for r in replies] == sizes
+        echoed = await _gather([ref.ask(("echo", os.urandom(n)), timeout=30) for n in sizes])
+        assert [len(r) for r in echoed] == sizes
         async with anyio.create_task_group() as tg:
             results: list[int] = []
 
