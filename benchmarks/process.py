@@ -1,13 +1,15 @@
-"""Process actors: round trip, stream throughput, death detection and restart, against raw pyzmq.
+"""Process actors: round trip, stream throughput, death detection and restart, against raw sockets.
 
-    python -m benchmarks.process [--quick] [--backend trio]
+    python -m benchmarks.process [--quick] [--backend trio] [--child-backend trio]
 
-Prints a table, then one JSON line with proc_ask_rtt_us_p50, proc_ask_rtt_us_p99,
-proc_stream_chunks_per_s (a chunk = 16 token ids), kill_detect_ms_p50, proc_restart_ms_p50
-(trivial init), baseline_zmq_rtt_us_p50 (blocking REQ/REP between two processes, same run) and
-baseline_zmq_loop_rtt_us_p50: raw pyzmq DEALER/ROUTER driven by the benchmark's event loop on both
-sides (the FD waited on by the loop, EVENTS re-checked after each send), the floor for any
-event-loop design over ZMQ on this machine.
+Prints a table, then one JSON line. For the default transport (unix: a Unix-domain stream
+socket): proc_ask_rtt_us_p50, proc_ask_rtt_us_p99, proc_stream_chunks_per_s (a chunk = 16 token
+ids), kill_detect_ms_p50, proc_restart_ms_p50 (trivial init); the same round trip and stream over
+ZMQ ipc under the ``_zmq`` suffix. Baselines from the same run: baseline_zmq_rtt_us_p50 (blocking
+REQ/REP between two processes), baseline_zmq_loop_rtt_us_p50 (raw pyzmq DEALER/ROUTER driven by the
+benchmark's event loop on both sides, the FD waited on by the loop, EVENTS re-checked after each
+send: the floor for any event-loop design over ZMQ) and baseline_unix_loop_rtt_us_p50 (a raw Unix
+stream socket driven by the event loop on both sides: the floor for the unix link).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -26,7 +31,7 @@ import sniffio
 import zmq
 
 from actors import ActorCrashed, ActorRef
-from actors.process import ProcessOptions
+from actors.process import ProcessOptions, Transport
 from benchmarks._common import percentile, report
 from supervisors import SupervisorFlags, open_supervisor, process_child
 
@@ -42,8 +47,8 @@ while True:
         break
 """
 
-
-_LOOP_ECHO_SERVER = """
+# An echo server driven by an event loop: a transport's part (sock, fd, drain) then the loop's.
+_ZMQ_PART = """
 import sys, zmq
 sock = zmq.Context().socket(zmq.ROUTER)
 sock.connect(sys.argv[1])
@@ -56,7 +61,23 @@ def drain():  # echo what is queued (EVENTS also re-arms the FD); False after "s
         if frames[-1] == b"stop":
             return False
     return True
+"""
+_UNIX_PART = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+sock.setblocking(False)
+fd = sock.fileno()
 
+def drain():  # echo what is queued; False after "stop"
+    try:
+        data = sock.recv(65536)
+    except BlockingIOError:
+        return True
+    sock.send(data)
+    return bool(data) and not data.endswith(b"stop")
+"""
+_LOOP_PART = """
 if sys.argv[2] == "trio":
     import trio
 
@@ -84,25 +105,26 @@ else:
 """
 
 
-async def baseline_zmq_loop_rtt(n: int) -> float:
-    """Raw DEALER/ROUTER round trips with the running event loop waiting on ZMQ's FD."""
-    endpoint = f"ipc:///tmp/actorserve-bench-loop-{os.getpid()}.sock"
-    library = sniffio.current_async_library()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.bind(endpoint)
-    server = await anyio.open_process([sys.executable, "-c", _LOOP_ECHO_SERVER, endpoint, library])
-    fd = int(sock.getsockopt(zmq.FD))
-    loop = asyncio.get_running_loop() if library == "asyncio" else None
+async def _loop_round_trips(
+    n: int,
+    fd: int,
+    send: Callable[[bytes], Any],
+    ready: Callable[[], bool],
+    take: Callable[[], Any],
+) -> float:
+    """p50 of ``n`` round trips (us) with the running event loop waiting on ``fd``: ``ready``
+    tells a reply is there (it may read it), ``take`` takes it; the last message is ``stop``."""
+    loop = asyncio.get_running_loop() if sniffio.current_async_library() == "asyncio" else None
     waiter: asyncio.Future[None] | None = None
 
     def on_readable() -> None:
-        if waiter is not None and not waiter.done() and _has_input(sock):
+        if waiter is not None and not waiter.done() and ready():
             waiter.set_result(None)
 
-    async def wait_input() -> None:
+    async def round_trip(payload: bytes) -> None:
         nonlocal waiter
-        while not _has_input(sock):
+        send(payload)
+        while not ready():
             if loop is None:
                 import trio
 
@@ -110,18 +132,11 @@ async def baseline_zmq_loop_rtt(n: int) -> float:
             else:
                 waiter = loop.create_future()
                 await waiter
-
-    async def round_trip(payload: bytes) -> None:
-        sock.send(payload, zmq.NOBLOCK)
-        await wait_input()
-        sock.recv(zmq.NOBLOCK)
+        take()
 
     if loop is not None:
         loop.add_reader(fd, on_readable)
     try:
-        sock.send(b"x")  # blocking: waits for the connection
-        await wait_input()
-        sock.recv()
         for _ in range(200):
             await round_trip(b"x")
         samples = []
@@ -133,16 +148,80 @@ async def baseline_zmq_loop_rtt(n: int) -> float:
     finally:
         if loop is not None:
             loop.remove_reader(fd)
+    return percentile(samples, 50) * 1e6
+
+
+async def baseline_zmq_loop_rtt(n: int) -> float:
+    """Raw DEALER/ROUTER round trips with the running event loop waiting on ZMQ's FD."""
+    endpoint = f"ipc:///tmp/actorserve-bench-loop-{os.getpid()}.sock"
+    library = sniffio.current_async_library()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.bind(endpoint)
+    server = await anyio.open_process(
+        [sys.executable, "-c", _ZMQ_PART + _LOOP_PART, endpoint, library]
+    )
+    try:
+        sock.send(b"x")  # blocking: waits for the connection
+        sock.recv()
+        return await _loop_round_trips(
+            n,
+            int(sock.getsockopt(zmq.FD)),
+            lambda m: sock.send(m, zmq.NOBLOCK),
+            lambda: _has_input(sock),
+            lambda: sock.recv(zmq.NOBLOCK),
+        )
+    finally:
         with anyio.fail_after(5):
             await server.wait()
         await server.aclose()
         sock.close(0)
         ctx.term()
-    return percentile(samples, 50) * 1e6
 
 
 def _has_input(sock: zmq.Socket[bytes]) -> bool:
     return bool(int(sock.getsockopt(zmq.EVENTS)) & int(zmq.POLLIN))
+
+
+async def baseline_unix_loop_rtt(n: int) -> float:
+    """Raw round trips over a Unix stream socket, the running event loop waiting on its FD."""
+    directory = tempfile.mkdtemp(prefix="actorserve-bench-")
+    path = os.path.join(directory, "echo.sock")
+    library = sniffio.current_async_library()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        server = await anyio.open_process(
+            [sys.executable, "-c", _UNIX_PART + _LOOP_PART, path, library]
+        )
+        listener.settimeout(10)
+        sock, _ = listener.accept()
+    os.unlink(path)
+    os.rmdir(directory)
+    sock.setblocking(False)
+    got = bytearray(65536)
+    received = False
+
+    def ready() -> bool:  # reads the reply if it is there
+        nonlocal received
+        if not received:
+            try:
+                received = sock.recv_into(got) > 0
+            except BlockingIOError:
+                pass
+        return received
+
+    def take() -> None:
+        nonlocal received
+        received = False
+
+    try:
+        return await _loop_round_trips(n, sock.fileno(), sock.send, ready, take)
+    finally:
+        with anyio.fail_after(5):
+            await server.wait()
+        await server.aclose()
+        sock.close()
 
 
 def baseline_zmq_rtt(n: int) -> float:
@@ -196,62 +275,95 @@ async def _kill_and_restart(ref: ActorRef[Any]) -> tuple[float, float]:
     return times["detected"] - killed_at, answered - killed_at
 
 
-async def measure(quick: bool) -> dict[str, float]:
+async def _round_trips_and_stream(ref: ActorRef[Any], quick: bool) -> tuple[list[float], float]:
+    """Ask round trips (seconds each), then stream chunks per second."""
     n_ask = 3_000 if quick else 30_000
     n_chunks = 100_000 if quick else 1_000_000
-    n_kill = 10 if quick else 50
-    options = ProcessOptions(heartbeat_interval=0.5, heartbeat_timeout=10.0)
-    flags = SupervisorFlags(intensity=10**6, period=1)
-    async with open_supervisor([process_child("echo", ECHO, options=options)], flags) as sup:
-        ref = await sup.child("echo")
-        for _ in range(500):
-            await ref.ask(1)
-        samples = []
-        for _ in range(n_ask):
-            start = time.perf_counter()
-            await ref.ask(1)
-            samples.append(time.perf_counter() - start)
+    for _ in range(500):
+        await ref.ask(1)
+    samples = []
+    for _ in range(n_ask):
         start = time.perf_counter()
-        count = 0
-        async with ref.stream(("chunks", n_chunks, 16), buffer=256) as chunks:
-            async for _ in chunks:
-                count += 1
-        chunks_per_s = count / (time.perf_counter() - start)
-        detect, restart = [], []
-        for _ in range(n_kill):
-            took = await _kill_and_restart(ref)
-            detect.append(took[0])
-            restart.append(took[1])
-    loop_floor = await baseline_zmq_loop_rtt(n_ask)
-    return {
-        "proc_ask_rtt_us_p50": percentile(samples, 50) * 1e6,
-        "proc_ask_rtt_us_p99": percentile(samples, 99) * 1e6,
-        "proc_stream_chunks_per_s": chunks_per_s,
-        "kill_detect_ms_p50": percentile(detect, 50) * 1e3,
-        "proc_restart_ms_p50": percentile(restart, 50) * 1e3,
-        "baseline_zmq_loop_rtt_us_p50": loop_floor,
-    }
+        await ref.ask(1)
+        samples.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    count = 0
+    async with ref.stream(("chunks", n_chunks, 16), buffer=256) as chunks:
+        async for _ in chunks:
+            count += 1
+    return samples, count / (time.perf_counter() - start)
+
+
+async def measure(quick: bool, child_backend: str) -> dict[str, float]:
+    n_ask = 3_000 if quick else 30_000
+    n_kill = 10 if quick else 50
+    flags = SupervisorFlags(intensity=10**6, period=1)
+    results: dict[str, float] = {}
+    transports: list[tuple[Transport, str]] = [("unix", ""), ("ipc", "_zmq")]
+    for transport, suffix in transports:
+        options = ProcessOptions(
+            transport=transport,
+            backend="trio" if child_backend == "trio" else "asyncio",
+            heartbeat_interval=0.5,
+            heartbeat_timeout=10.0,
+        )
+        async with open_supervisor([process_child("echo", ECHO, options=options)], flags) as sup:
+            ref = await sup.child("echo")
+            samples, chunks_per_s = await _round_trips_and_stream(ref, quick)
+            results[f"proc_ask_rtt_us_p50{suffix}"] = percentile(samples, 50) * 1e6
+            results[f"proc_ask_rtt_us_p99{suffix}"] = percentile(samples, 99) * 1e6
+            results[f"proc_stream_chunks_per_s{suffix}"] = chunks_per_s
+            if transport == "unix":
+                detect, restart = [], []
+                for _ in range(n_kill):
+                    took = await _kill_and_restart(ref)
+                    detect.append(took[0])
+                    restart.append(took[1])
+                results["kill_detect_ms_p50"] = percentile(detect, 50) * 1e3
+                results["proc_restart_ms_p50"] = percentile(restart, 50) * 1e3
+    results["baseline_zmq_loop_rtt_us_p50"] = await baseline_zmq_loop_rtt(n_ask)
+    results["baseline_unix_loop_rtt_us_p50"] = await baseline_unix_loop_rtt(n_ask)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (under 30 s)")
     parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    parser.add_argument(
+        "--child-backend",
+        default="asyncio",
+        choices=["asyncio", "trio"],
+        help="the actor process's event loop (the default ProcessOptions: asyncio)",
+    )
     args = parser.parse_args()
-    results = {
-        k: round(v, 2) for k, v in anyio.run(measure, args.quick, backend=args.backend).items()
-    }
+    measured = anyio.run(measure, args.quick, args.child_backend, backend=args.backend)
+    results = {k: round(v, 2) for k, v in measured.items()}
     results["baseline_zmq_rtt_us_p50"] = round(baseline_zmq_rtt(3_000 if args.quick else 30_000), 2)
-    ratio = results["proc_ask_rtt_us_p50"] / results["baseline_zmq_rtt_us_p50"]
-    loop_ratio = results["proc_ask_rtt_us_p50"] / results["baseline_zmq_loop_rtt_us_p50"]
+    ask = results["proc_ask_rtt_us_p50"]
+    ratio = ask / results["baseline_zmq_rtt_us_p50"]
+    unix_ratio = ask / results["baseline_unix_loop_rtt_us_p50"]
+    loop = f"{args.backend}/{args.child_backend}"
     rows = [
         (
-            "ask round trip p50 (us)",
-            results["proc_ask_rtt_us_p50"],
-            f"goal <= 50; {ratio:.2f}x raw zmq, {loop_ratio:.2f}x raw zmq in an event loop",
+            "ask round trip p50 (us), unix",
+            ask,
+            f"goal <= 50; {ratio:.2f}x raw zmq REQ/REP, {unix_ratio:.2f}x raw unix in a loop",
         ),
-        ("ask round trip p99 (us)", results["proc_ask_rtt_us_p99"], ""),
-        ("stream chunks/s (16 ids each)", results["proc_stream_chunks_per_s"], "goal >= 200k"),
+        ("ask round trip p99 (us), unix", results["proc_ask_rtt_us_p99"], ""),
+        (
+            "stream chunks/s (16 ids each), unix",
+            results["proc_stream_chunks_per_s"],
+            "goal >= 200k",
+        ),
+        (
+            "ask round trip p50 (us), zmq ipc",
+            results["proc_ask_rtt_us_p50_zmq"],
+            f"{results['proc_ask_rtt_us_p50_zmq'] / results['baseline_zmq_loop_rtt_us_p50']:.2f}x"
+            " raw zmq in a loop",
+        ),
+        ("ask round trip p99 (us), zmq ipc", results["proc_ask_rtt_us_p99_zmq"], ""),
+        ("stream chunks/s, zmq ipc", results["proc_stream_chunks_per_s_zmq"], ""),
         (
             "SIGKILL -> pending ask fails p50 (ms)",
             results["kill_detect_ms_p50"],
@@ -266,10 +378,15 @@ def main() -> None:
         (
             f"baseline raw zmq DEALER/ROUTER in {args.backend} p50 (us)",
             results["baseline_zmq_loop_rtt_us_p50"],
-            "same run: the floor for an event loop",
+            "same run: the floor for an event loop over zmq",
+        ),
+        (
+            f"baseline raw unix socket in {args.backend} p50 (us)",
+            results["baseline_unix_loop_rtt_us_p50"],
+            "same run: the floor for the unix link",
         ),
     ]
-    report(f"process actors ({args.backend})", rows, results)
+    report(f"process actors ({loop})", rows, results)
 
 
 if __name__ == "__main__":

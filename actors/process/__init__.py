@@ -1,11 +1,13 @@
 """Process actors: the same ActorRef API for an actor running in its own OS process.
 
-Engines run this way so a CUDA fault or an OOM kill cannot take the root down. The wire is ZMQ
-(``ipc://`` by default, ``tcp://127.0.0.1`` as an option) with :mod:`protocols.codec` messages,
-never pickle. Death is detected through the process sentinel, hangs through heartbeats.
+Engines run this way so a CUDA fault or an OOM kill cannot take the root down. The wire carries
+:mod:`protocols.codec` messages, never pickle, over a Unix-domain stream socket by default
+(``transport="unix"``) or ZMQ (``"ipc"``, or ``"tcp"`` on 127.0.0.1, the cross-host path). Death
+is detected through the process sentinel, hangs through heartbeats, a closed socket by the link.
 """
 
 from actors._errors import ReplyError
+from actors.process._link import LinkBroken, Transport
 from actors.process._parent import ProcessActor, ProcessDied, ProcessOptions
 from actors.process._spawn import preload
 from protocols import codec
@@ -13,4 +15,4 @@ from protocols import codec
 # A handler's ReplyError crosses the boundary as itself.
 codec.register_error(ReplyError, "actors.ReplyError")
 
-__all__ = ["ProcessActor", "ProcessDied", "ProcessOptions", "preload"]
+__all__ = ["LinkBroken", "ProcessActor", "ProcessDied", "ProcessOptions", "Transport", "preload"]

@@ -1,7 +1,9 @@
 """The child side of a process actor: runs one actor and serves its parent over a Link.
 
 Entered in a process forked by the forkserver. Asks and streams go straight into the actor's
-mailbox with reply objects that answer over the socket, so the child adds no hop of its own.
+mailbox with reply objects that answer over the link, so the child adds no hop of its own. When
+the parent closes its end of a (unix) link, the child abandons what runs and stops: nobody is left
+to serve.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from actors._runtime import Incarnation
 from actors._stream import StreamChannel
 from actors._zmq import context
 from actors.process import _frames as f
-from actors.process._link import Link
+from actors.process._link import Link, LinkBroken, connect_link
 from protocols import codec
 
 __all__ = ["main", "resolve"]
@@ -67,6 +69,8 @@ def main(endpoints: list[str], factory: str, args: bytes, options: bytes) -> Non
         os._exit(1)
     try:
         anyio.run(_serve, endpoints, factory, args, opts, backend=opts.backend)
+    except LinkBroken:
+        pass  # the parent is gone (before we connected): nobody to report to
     finally:
         # Terminating the context flushes the lingering last frames (START_FAILED, EXIT).
         context().term()
@@ -189,13 +193,13 @@ class _RemoteChannel(StreamChannel):
 
 
 class _Server:
-    def __init__(self, inc: Incarnation) -> None:
+    def __init__(self, inc: Incarnation, endpoints: list[str]) -> None:
         self.inc = inc
-        self.link = Link(self.on_message)
         self.streams: dict[int, _RemoteChannel] = {}
         self.asks: dict[int, _RemoteReply] = {}
+        self.link = connect_link(endpoints, self.on_message)
 
-    def on_message(self, data: bytes) -> None:
+    def on_message(self, data: bytes | bytearray) -> None:
         kind, corr, body = f.parse(data)
         mailbox = self.inc.mailbox
         if kind == f.ASK:
@@ -222,6 +226,18 @@ class _Server:
             kind_name, detail = msgspec.msgpack.decode(body)
             self.inc.request_stop(ExitReason(kind_name, detail or None))
 
+    async def serve(self) -> None:
+        try:
+            await self.link.run()
+        except LinkBroken:
+            # The parent closed its end (it is gone, or gave up on us): what runs is abandoned
+            # as if it had cancelled it, and the actor stops.
+            for channel in list(self.streams.values()):
+                channel.cancel()
+            for reply in list(self.asks.values()):
+                reply.abort()
+            self.inc.request_stop(ExitReason.shutdown("the parent closed the link"))
+
     async def heartbeat(self, interval: float) -> None:
         beat = f.message(f.HEARTBEAT)
         while True:
@@ -236,26 +252,26 @@ async def _stop_on_sigterm(inc: Incarnation) -> None:
             inc.request_stop(ExitReason.shutdown("SIGTERM"))
 
 
+def _ignore(data: bytes | bytearray) -> None:
+    pass
+
+
 def _reason_bytes(reason: ExitReason) -> bytes:
     return msgspec.msgpack.encode((reason.kind, reason.detail or ""))
 
 
 async def _serve(endpoints: list[str], factory: str, args: bytes, opts: ChildOptions) -> None:
-    parent_rx, parent_tx = endpoints
     cell = Cell(opts.name)
     ref: ActorRef[Any] = ActorRef(cell)
-    server: _Server | None = None
     try:
         actor = resolve(factory)(*codec.decode(args))
         inc = Incarnation(actor, ref)
-        server = _Server(inc)
     except Exception as exc:
-        link = Link(lambda data: None)
-        link.connect(parent_tx, parent_rx)
+        link = connect_link(endpoints, _ignore)
         link.send(f.message(f.START_FAILED, 0, codec.encode_error(exc)))
         link.close(linger=_LAST_WORDS_S)
         return
-    server.link.connect(parent_tx, parent_rx)
+    server = _Server(inc, endpoints)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(inc.run, cell, lambda reason: CellState.DEAD)
@@ -264,7 +280,7 @@ async def _serve(endpoints: list[str], factory: str, args: bytes, opts: ChildOpt
             except Exception as exc:
                 server.link.send(f.message(f.START_FAILED, 0, codec.encode_error(exc)))
                 return
-            tg.start_soon(server.link.run)
+            tg.start_soon(server.serve)
             tg.start_soon(server.heartbeat, opts.heartbeat_interval)
             tg.start_soon(_stop_on_sigterm, inc)
             server.link.send(f.message(f.READY))

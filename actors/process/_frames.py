@@ -1,8 +1,9 @@
 """Messages between a parent and its process actor.
 
-Every message is one ZMQ frame: a 9-byte header (kind, then a 64-bit big-endian correlation id)
-followed by the body (``protocols.codec`` bytes, a 4-byte credit, or nothing). One frame rather
-than a header frame and a body frame: pyzmq's Python-level cost per frame is a good part of a
+Every message is one link message (one ZMQ frame, or one length-prefixed frame of a unix link):
+a 9-byte header (kind, then a 64-bit big-endian correlation id) followed by the body
+(``protocols.codec`` bytes, a 4-byte credit, or nothing). One message rather than a header and a
+body: the per-message cost (pyzmq's Python-level cost per frame, a syscall) is a good part of a
 message's cost. A stream's items travel in batches (``ITEMS``, ``protocols.codec.encode_many``),
 and its last batch rides on ``END``.
 """
@@ -41,7 +42,7 @@ def message(kind: int, corr: int = 0, body: bytes = b"") -> bytes:
     return _HEADER.pack(kind, corr) + body
 
 
-def parse(data: bytes) -> tuple[int, int, memoryview]:
+def parse(data: bytes | bytearray) -> tuple[int, int, memoryview]:
     """``(kind, corr, body)``; the body is a view, not a copy."""
     kind, corr = _HEADER.unpack_from(data)
     return kind, corr, memoryview(data)[HEADER_SIZE:]

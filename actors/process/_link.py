@@ -1,14 +1,24 @@
-"""The ZMQ link between a parent and its process actor, read by a callback.
+"""The link between a parent and its process actor: byte messages over sockets, read by a callback.
 
-Two sockets per side, one that only receives (PULL, bound by the parent) and one that only sends
-(PUSH): a ZMQ send processes its socket's pending commands and so can consume the FD's wake-up
-while a message waits, which forces a socket that does both to re-check ``EVENTS`` after every
-send (about 4 us here, on both sides of every round trip). A send-only socket has nothing to lose.
+Two transports behind one :class:`Link`:
+
+- ``"unix"`` (the default, :mod:`actors.process._link_unix`): one Unix-domain stream socket with
+  length-prefixed messages, read and written straight by the event loop's thread: a message
+  costs one send and one receive (besides the loop's wait), and no thread hand-off.
+- ``"ipc"`` and ``"tcp"`` (``tcp://127.0.0.1``, the cross-host path;
+  :mod:`actors.process._link_zmq`): ZMQ PUSH/PULL sockets, one ZMQ frame per message. ZMQ's I/O
+  thread adds two thread hand-offs per direction.
 
 On asyncio the receiving FD is registered once with ``loop.add_reader`` and messages are handled
 in the reader callback itself: a reply resolves its caller's future with no task switch. On trio a
-task waits on the FD. Each wake-up tries a receive at once (a wake-up almost always means a
-message) and reads until ``EVENTS`` shows none left, which re-arms the FD's edge.
+task waits on the FD, under one cancel scope for many waits (one per wait would cost about a
+tenth of a round trip).
+
+A send never blocks: what the socket will not take yet waits in a backlog, flushed as the socket
+becomes writable (unix) or on a timer (ZMQ, whose FD only signals input). A link breaks when its
+socket does (the peer closed its end, a reset, a failed send): :meth:`Link.run` raises
+:class:`LinkBroken`, and sends are dropped from then on (their replies cannot arrive; the link's
+owner reacts to the error).
 
 :meth:`Link.call_soon` runs a callback once the current task yields (streams batch their items
 with it): ``loop.call_soon`` on asyncio, a parked helper task on trio (trio's own ``run_sync_soon``
@@ -18,35 +28,22 @@ writes to a wake-up socket every time).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import tempfile
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Literal
 
 import sniffio
-import zmq
-from zmq.backend import Socket as _RawSocket
 
 from actors._backend import backend
 from actors._errors import ActorError
-from actors._zmq import context
 
-__all__ = ["Link", "LinkBroken", "new_endpoints"]
+__all__ = ["Link", "LinkBroken", "Transport", "connect_link", "new_link"]
 
-MessageHandler = Callable[[bytes], None]
+Transport = Literal["unix", "ipc", "tcp"]
+MessageHandler = Callable[[bytes | bytearray], None]
+Chunk = bytes | bytearray | memoryview
 
 _BACKLOG_RETRY_S = 0.001
-_COPY_BELOW = 65536  # larger messages are sent without a copy
-_POLLIN = int(zmq.POLLIN)
-_EVENTS = int(zmq.EVENTS)
-_NOBLOCK = int(zmq.NOBLOCK)
-# The backend's methods, skipping pyzmq's pure-Python wrappers (a send through them costs 1.3 us
-# here, 0.5 us without).
-_send: Any = _RawSocket.send
-_recv: Any = _RawSocket.recv
-_get: Any = _RawSocket.get
 
 
 class LinkBroken(ActorError, ConnectionError):
@@ -54,78 +51,110 @@ class LinkBroken(ActorError, ConnectionError):
     callers treat it as the actor being gone."""
 
 
+def new_link(transport: Transport, on_message: MessageHandler) -> Link:
+    """The parent's end of a link over ``transport``, not bound yet (see :meth:`Link.bind`)."""
+    if transport == "unix":
+        from actors.process._link_unix import UnixLink
+
+        return UnixLink(on_message)
+    if transport in ("ipc", "tcp"):
+        from actors.process._link_zmq import ZmqLink
+
+        return ZmqLink(on_message, transport)
+    raise ValueError(f"unknown transport {transport!r}: expected 'unix', 'ipc' or 'tcp'")
+
+
+def connect_link(endpoints: list[str], on_message: MessageHandler) -> Link:
+    """The child's end of a link: connected to the endpoints its parent's :meth:`Link.bind`
+    returned (their scheme names the transport)."""
+    link: Link
+    if endpoints[0].startswith("unix://"):
+        from actors.process._link_unix import UnixLink
+
+        link = UnixLink(on_message)
+    else:
+        from actors.process._link_zmq import ZmqLink
+
+        link = ZmqLink(on_message, "tcp" if endpoints[0].startswith("tcp://") else "ipc")
+    link.connect(endpoints)
+    return link
+
+
 class Link:
-    """A receiving and a sending socket, the handler of what arrives, and the reader."""
+    """One end of a link: its sockets, the handler of what arrives, and the reader.
+
+    Subclasses provide the socket work: ``bind``/``connect``, ``send``, ``_read`` (handle what is
+    queued now), ``_write_backlog`` and ``_close``; this class runs it on asyncio or trio.
+    """
+
+    # Flush the backlog when the FD is writable (else retry on a timer).
+    _flush_on_writable = False
 
     def __init__(self, on_message: MessageHandler) -> None:
-        ctx = context()
-        self._rx = ctx.socket(zmq.PULL)
-        self._tx = ctx.socket(zmq.PUSH)
-        for sock in (self._rx, self._tx):
-            sock.setsockopt(zmq.LINGER, 0)
-            # Flow control is the actors' job (credits, mailbox capacity): a send never blocks.
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-        self._fd = int(self._rx.getsockopt(zmq.FD))
+        self._fd = -1  # waited on for input (and for room to send, with _flush_on_writable)
         self._on_message = on_message
         self.closed = False
+        self.broken = False
+        # The peer's end is closed and everything it sent has been handled: nothing more can
+        # arrive (a unix link; ZMQ never tells).
+        self.peer_closed = False
         self._draining = False
         self._error: BaseException | None = None
         self._wake: Callable[[], None] = _nothing
-        # Messages ZMQ would not take yet (EAGAIN: the parent's sending socket is bound, and the
-        # child's connection may not be attached yet): sent in order, retried on a timer.
-        self._backlog: deque[bytes] = deque()
+        # What the socket would not take yet, in order: whole messages (ZMQ) or the rest of a
+        # byte stream (unix).
+        self._backlog: deque[Chunk] = deque()
         self._retry: Callable[[], None] = _nothing
-        self._files: list[str] = []  # ipc socket files we bound (ZMQ leaves them behind)
         self._soon: list[Callable[[], None]] = []
         self._run_soon_later: Callable[[], None] = _nothing
         self._before_close: Callable[[], None] = _nothing
 
-    # -- endpoints -------------------------------------------------------------------------
+    # -- the transport's part ----------------------------------------------------------------
 
-    def bind(self, rx_endpoint: str, tx_endpoint: str) -> tuple[str, str]:
-        """Bind both sockets; the resolved endpoints (ports of ``tcp://127.0.0.1:0``)."""
-        endpoints = _bind(self._rx, rx_endpoint), _bind(self._tx, tx_endpoint)
-        self._files = [e.removeprefix("ipc://") for e in endpoints if e.startswith("ipc://")]
-        return endpoints
+    def bind(self, name: str) -> list[str]:
+        """Bind fresh private endpoints; what the peer passes to :func:`connect_link`."""
+        raise NotImplementedError
 
-    def connect(self, rx_endpoint: str, tx_endpoint: str) -> None:
-        """Connect to a bound peer: ``rx_endpoint`` is where it sends, ``tx_endpoint`` where it
-        receives."""
-        self._rx.connect(rx_endpoint)
-        self._tx.connect(tx_endpoint)
-
-    # -- sending ---------------------------------------------------------------------------
+    def connect(self, endpoints: list[str]) -> None:
+        raise NotImplementedError
 
     def send(self, data: bytes) -> None:
-        """Queue one message (never blocks)."""
+        """Queue one message (never blocks); ``LinkBroken`` once the link is closed. On a broken
+        link the message is dropped: :meth:`run` raises the error."""
+        raise NotImplementedError
+
+    async def _wait_peer(self) -> None:
+        """Until the peer's connection is there (a listening transport accepts it)."""
+
+    def _read(self) -> None:
+        """Handle every message queued now."""
+        raise NotImplementedError
+
+    def _write_backlog(self) -> bool:
+        """Send what the socket takes; whether the backlog is empty (``LinkBroken`` on a
+        failure)."""
+        raise NotImplementedError
+
+    def _close(self, linger: float) -> None:
+        raise NotImplementedError
+
+    # -- shared ----------------------------------------------------------------------------
+
+    def _usable(self) -> bool:
+        """Whether a send can go out: raises once closed, ``False`` once broken."""
         if self.closed:
             raise LinkBroken("the link is closed")
-        if self._backlog or not self._try_send(data):
-            self._backlog.append(data)
-            if len(self._backlog) == 1:
-                self._retry()
-
-    def _try_send(self, data: bytes) -> bool:
-        try:
-            _send(self._tx, data, _NOBLOCK, len(data) < _COPY_BELOW)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:
-            raise LinkBroken(f"send failed: {exc}") from exc
-        return True
+        return not self.broken
 
     def _flush_backlog(self) -> None:
-        backlog = self._backlog
-        if not backlog:
+        if not self._backlog or self.closed or self.broken:
             return
         try:
-            while backlog and not self.closed and self._try_send(backlog[0]):
-                backlog.popleft()
+            done = self._write_backlog()
         except LinkBroken as exc:
             self._fail(exc)
             return
-        if backlog and not self.closed:
+        if not done:
             self._retry()
 
     def call_soon(self, callback: Callable[[], None]) -> None:
@@ -144,59 +173,79 @@ class Link:
         except BaseException as exc:
             self._fail(exc)
 
-    # -- receiving -------------------------------------------------------------------------
-
     def drain(self) -> None:
         """Handle every message queued now (runs in the event loop thread)."""
-        if self._draining or self.closed:
+        if self._draining or self.closed or self.peer_closed:
             return
         self._draining = True
-        rx = self._rx
-        handle = self._on_message
         try:
-            while True:
-                try:
-                    data = _recv(rx, _NOBLOCK)
-                except zmq.Again:
-                    break  # it processed the socket's commands: the FD will signal what comes
-                handle(data)
-                if self.closed or not _get(rx, _EVENTS) & _POLLIN:
-                    break
+            self._read()
         except BaseException as exc:
             self._fail(exc)
         finally:
             self._draining = False
 
     def _fail(self, exc: BaseException) -> None:
+        if isinstance(exc, LinkBroken):
+            self.broken = True
+            self._backlog.clear()
         if self._error is None:
             self._error = exc
         self._wake()
 
     async def run(self) -> None:
-        """Read until closed or cancelled; raises what a handler raised."""
-        if sniffio.current_async_library() == "trio":
-            await self._run_trio()
-        else:
-            await self._run_asyncio()
+        """Read until closed or cancelled; raises what a handler raised, or ``LinkBroken``."""
+        await self._wait_peer()
+        if self.closed:
+            return
+        try:
+            if sniffio.current_async_library() == "trio":
+                await self._run_trio()
+            else:
+                await self._run_asyncio()
+        finally:
+            self._wake = self._retry = self._run_soon_later = self._before_close = _nothing
+        if self._error is not None:
+            raise self._error
 
     async def _run_asyncio(self) -> None:
         loop = asyncio.get_running_loop()
         stopped = loop.create_future()
         fd = self._fd
+        writing = False
 
         def wake() -> None:
             if not stopped.done():
                 stopped.set_result(None)
 
+        def on_writable() -> None:
+            nonlocal writing
+            self._flush_backlog()
+            if writing and not self._backlog:
+                loop.remove_writer(fd)
+                writing = False
+
         def retry() -> None:
-            loop.call_later(_BACKLOG_RETRY_S, self._flush_backlog)
+            nonlocal writing
+            if not self._flush_on_writable:
+                loop.call_later(_BACKLOG_RETRY_S, self._flush_backlog)
+            elif not writing:
+                loop.add_writer(fd, on_writable)
+                writing = True
+
+        def unregister() -> None:
+            nonlocal writing
+            loop.remove_reader(fd)  # before the FD closes (its number may be reused)
+            if writing:
+                loop.remove_writer(fd)
+                writing = False
+
+        def before_close() -> None:
+            unregister()
+            wake()
 
         def run_soon_later() -> None:
             loop.call_soon(self._run_soon)
-
-        def before_close() -> None:
-            loop.remove_reader(fd)  # before the FD closes (its number may be reused)
-            wake()
 
         self._wake, self._retry, self._run_soon_later = wake, retry, run_soon_later
         self._before_close = before_close
@@ -206,89 +255,78 @@ class Link:
         try:
             self._flush_backlog()
             self.drain()
-            await stopped
+            if self._error is None:
+                await stopped
         finally:
-            self._before_close = _nothing
             if not self.closed:
-                loop.remove_reader(fd)
-        if self._error is not None:
-            raise self._error
+                unregister()
 
     async def _run_trio(self) -> None:
         import trio
 
-        # One cancel scope for many waits (one per wait would cost about a tenth of a round
-        # trip): cancelled to stop, its deadline moved to retry a backlog.
+        # One cancel scope for many waits: cancelled to stop, its deadline moved to retry a
+        # backlog on a timer.
         scope: trio.CancelScope | None = None
-        spot = backend().parking()
+        soon = backend().parking()
+        writer = backend().parking()
+        fd = self._fd
 
         def wake() -> None:
             if scope is not None:
                 scope.cancel()
-            spot.unpark()
+            soon.unpark()
+            writer.unpark()
 
         def retry() -> None:
-            if scope is not None:
+            if self._flush_on_writable:
+                writer.unpark()
+            elif scope is not None:
                 scope.deadline = min(scope.deadline, trio.current_time() + _BACKLOG_RETRY_S)
 
         def before_close() -> None:
-            trio.lowlevel.notify_closing(self._fd)  # a waiter gets ClosedResourceError
+            trio.lowlevel.notify_closing(fd)  # a waiter gets ClosedResourceError
 
         async def run_soon() -> None:
             while True:
                 while self._soon:
                     self._run_soon()
-                await spot.park()
+                await soon.park()
 
-        self._wake, self._retry, self._run_soon_later = wake, retry, spot.unpark
+        async def flush_when_writable() -> None:
+            while True:
+                while self._backlog and not self.broken:
+                    try:
+                        await trio.lowlevel.wait_writable(fd)
+                    except trio.ClosedResourceError:
+                        return
+                    self._flush_backlog()
+                await writer.park()
+
+        self._wake, self._retry, self._run_soon_later = wake, retry, soon.unpark
         self._before_close = before_close
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_soon)
-                while self._error is None and not self.closed:
-                    with trio.CancelScope() as scope:
-                        while self._error is None and not self.closed:
-                            self._flush_backlog()
-                            self.drain()
-                            try:
-                                await trio.lowlevel.wait_readable(self._fd)
-                            except trio.ClosedResourceError:
-                                break
-                    scope = None
-                nursery.cancel_scope.cancel()
-        finally:
-            self._before_close = _nothing
-        if self._error is not None:
-            raise self._error
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_soon)
+            if self._flush_on_writable:
+                nursery.start_soon(flush_when_writable)
+            while self._error is None and not self.closed:
+                with trio.CancelScope() as scope:
+                    while self._error is None and not self.closed:
+                        self._flush_backlog()
+                        self.drain()
+                        try:
+                            await trio.lowlevel.wait_readable(fd)
+                        except trio.ClosedResourceError:
+                            break
+                scope = None
+            nursery.cancel_scope.cancel()
 
     def close(self, linger: float = 0) -> None:
-        """Close both sockets; ``linger`` seconds let queued messages (a last EXIT) go out."""
+        """Close the sockets; ``linger`` seconds let queued messages (a last EXIT) go out."""
         if not self.closed:
             self.closed = True
             self._before_close()
-            self._rx.close(linger=0)
-            self._tx.close(linger=int(linger * 1000))
-            for path in self._files:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            self._close(linger)
 
 
 def _nothing() -> None:
     pass
-
-
-def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
-    if endpoint.endswith(":0"):
-        host = endpoint.rsplit(":", 1)[0]
-        return f"{host}:{sock.bind_to_random_port(host)}"
-    sock.bind(endpoint)
-    return endpoint
-
-
-def new_endpoints(transport: str, name: str) -> tuple[str, str]:
-    """Two fresh endpoints (the parent's receiving and sending socket) for ``transport``
-    ``"ipc"`` (private socket files) or ``"tcp"`` (loopback, ephemeral ports)."""
-    if transport == "tcp":
-        return "tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
-    base = f"ipc://{tempfile.gettempdir()}/actorserve-{os.getpid()}-{name}"
-    return f"{base}-up.sock", f"{base}-down.sock"

@@ -1,9 +1,11 @@
 """The parent side of a process actor: :class:`ProcessActor`.
 
-Its incarnation is one OS process. Callers' tells, asks and streams go straight onto the socket
+Its incarnation is one OS process. Callers' tells, asks and streams go straight onto the link
 (the actor's ref is bound to a forwarder, not to the local mailbox). The process's death is seen
 through its sentinel FD at once and fails every pending call; a silent process (SIGSTOP, a
-deadlock, a dead socket) is caught by the heartbeat timeout and killed.
+deadlock, a dead socket) is caught by the heartbeat timeout and killed. A unix link also tells
+when the child's end closes: a child that lives on without it is killed, a :class:`LinkBroken`
+failure.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from actors._ref import crash_error
 from actors._stream import StreamChannel
 from actors.process import _frames as f
 from actors.process._child import ChildOptions
-from actors.process._link import Link, LinkBroken, new_endpoints
+from actors.process._link import LinkBroken, Transport, new_link
 from actors.process._spawn import exit_code, start_process
 from protocols import codec
 
@@ -38,13 +40,17 @@ __all__ = ["ProcessActor", "ProcessDied", "ProcessOptions"]
 _ids = itertools.count(1)
 _LAST_FRAMES_S = 0.02
 _START_ERROR_S = 0.25
+# How long a closed link waits for the process's exit before the process counts as alive without
+# it (a SIGKILL closes the child's socket a moment before its pidfd fires).
+_LINK_GRACE_S = 0.25
 
 
 @attrs.frozen
 class ProcessOptions:
     """How a process actor runs and how it is watched and stopped."""
 
-    transport: Literal["ipc", "tcp"] = "ipc"
+    # "unix": a Unix-domain stream socket (the fastest); "ipc"/"tcp": ZMQ (tcp://127.0.0.1).
+    transport: Transport = "unix"
     backend: Literal["asyncio", "trio"] = "asyncio"  # the child's event loop
     start_timeout: float = 60.0
     heartbeat_interval: float = 0.2
@@ -84,7 +90,7 @@ class _Forwarder:
     def put_nowait(self, item: Item) -> None:
         kind, message, extra = item
         owner = self._owner
-        if owner.wire.closed or owner.exited:
+        if owner.wire.closed or owner.wire.broken or owner.exited:
             raise ActorNotRunning(owner.ref.name)
         body = codec.encode(message)
         self.put_count += 1
@@ -173,7 +179,7 @@ class ProcessActor(Actor):
         self._exited = anyio.Event()
         self.exited = False  # _exited.is_set(), read on every call
         self._ready: Reply | None = None
-        self.wire = Link(self._on_message)
+        self.wire = new_link(self.options.transport, self._on_message)
 
     def inbox_override(self) -> _Forwarder:
         return self._forwarder
@@ -196,14 +202,14 @@ class ProcessActor(Actor):
 
     async def _start(self) -> None:
         opts = self.options
-        endpoints = self.wire.bind(*new_endpoints(opts.transport, f"{next(_ids)}"))
+        endpoints = self.wire.bind(f"{next(_ids)}")
         options = msgspec.msgpack.encode(
             ChildOptions(self.process_name, opts.backend, opts.heartbeat_interval, os.getpid())
         )
         self._ready = backend().reply()
-        self.start_soon(self.wire.run, name=f"{self.process_name} link")
+        self.start_soon(self._serve_link, name=f"{self.process_name} link")
         self._pid = await anyio.to_thread.run_sync(
-            start_process, list(endpoints), self.factory, codec.encode(list(self.args)), options
+            start_process, endpoints, self.factory, codec.encode(list(self.args)), options
         )
         # A pidfd becomes readable the instant the process exits, whoever its parent is.
         self._pidfd = os.pidfd_open(self._pid)
@@ -258,9 +264,14 @@ class ProcessActor(Actor):
                 died = ProcessDied(self.ref.name, None, cause)
                 self._fail_calls(ActorCrashed(self.ref.name, ExitReason.from_error(died)))
                 starting = not self._ready_done()
-                # A start error is worth a longer wait: nothing is on a latency path then.
+                # A start error is worth a longer wait: nothing is on a latency path then. A
+                # closed unix link has delivered everything already.
                 with anyio.move_on_after(_START_ERROR_S if starting else _LAST_FRAMES_S):
-                    while self._remote_exit is None and not (starting and self._ready_done()):
+                    while (
+                        self._remote_exit is None
+                        and not self.wire.peer_closed
+                        and not (starting and self._ready_done())
+                    ):
                         await anyio.sleep(0.001)
                         self.wire.drain()
             remote = self._remote_exit
@@ -285,6 +296,22 @@ class ProcessActor(Actor):
                 self._signal(signal.SIGKILL)
             self._shutdown(ActorCrashed(self.ref.name, ExitReason.killed()))
 
+    async def _serve_link(self) -> None:
+        try:
+            await self.wire.run()
+        except LinkBroken as exc:
+            if self._stopping or self._remote_exit is not None:
+                return  # it was asked to go, or said goodbye: its end closes as it exits
+            # Most likely the process is exiting, and its sentinel tells how; one that lives on
+            # without its link is of no use.
+            with anyio.move_on_after(_LINK_GRACE_S):
+                await self._exited.wait()
+            if self._exited.is_set():
+                return
+            self._fail_calls(ActorCrashed(self.ref.name, ExitReason.from_error(exc)))
+            self._signal(signal.SIGKILL)
+            raise
+
     async def _watch_heartbeat(self) -> None:
         opts = self.options
         while True:
@@ -294,7 +321,7 @@ class ProcessActor(Actor):
                 self._signal(signal.SIGKILL)
                 return
 
-    def _on_message(self, data: bytes) -> None:
+    def _on_message(self, data: bytes | bytearray) -> None:
         self._last_seen = time.monotonic()
         kind, corr, body = f.parse(data)
         if kind == f.REPLY:

@@ -8,13 +8,16 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Awaitable
+from typing import Any
 
 import anyio
+import attrs
 import psutil
 import pytest
 
 from actors import ActorCrashed, AskTimeout, ReplyError
-from actors.process import ProcessDied, ProcessOptions
+from actors.process import LinkBroken, ProcessDied, ProcessOptions, Transport
 from protocols.codec import CodecError
 from supervisors import (
     Backoff,
@@ -27,14 +30,22 @@ from supervisors import (
 
 ECHO = "tests.process.workers:Echo"
 FAST = ProcessOptions(heartbeat_interval=0.05, heartbeat_timeout=0.5, stop_timeout=2.0)
+# The tests that exercise the wire run over every transport; the rest over the default (unix).
+over_transports = pytest.mark.parametrize("transport", ["unix", "ipc", "tcp"])
+
+
+def _fast(transport: Transport) -> ProcessOptions:
+    return attrs.evolve(FAST, transport=transport)
 
 
 async def _pid(ref: object) -> int:
     return int(await ref.ask("pid"))  # type: ignore[attr-defined]
 
 
-async def test_tell_ask_stream_across_processes() -> None:
-    async with open_supervisor([process_child("echo", ECHO, "bonjour", options=FAST)]) as sup:
+@over_transports
+async def test_tell_ask_stream_across_processes(transport: Transport) -> None:
+    spec = process_child("echo", ECHO, "bonjour", options=_fast(transport))
+    async with open_supervisor([spec]) as sup:
         ref = await sup.child("echo")
         assert await ref.ask("greeting") == "bonjour"
         assert await _pid(ref) != os.getpid()
@@ -43,15 +54,24 @@ async def test_tell_ask_stream_across_processes() -> None:
         assert await ref.ask("told") == list(range(100))
         async with ref.stream(("count", 50), buffer=4) as replies:
             assert [r async for r in replies] == list(range(50))
+        async with ref.stream(("count", 3000), buffer=64) as replies:
+            assert [r async for r in replies] == list(range(3000))
 
 
-async def test_tcp_transport() -> None:
-    opts = ProcessOptions(transport="tcp", heartbeat_interval=0.05, heartbeat_timeout=0.5)
-    async with open_supervisor([process_child("echo", ECHO, "hola", options=opts)]) as sup:
+@over_transports
+async def test_child_on_trio(transport: Transport) -> None:
+    opts = attrs.evolve(_fast(transport), backend="trio")
+    async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
         ref = await sup.child("echo")
-        assert await ref.ask("greeting") == "hola"
-        async with ref.stream(("count", 300), buffer=8) as replies:
-            assert [r async for r in replies] == list(range(300))
+        blob = os.urandom(4 * 1024 * 1024)
+        assert await ref.ask(("echo", blob), timeout=30) == blob
+        async with ref.stream(("count", 3000), buffer=64) as replies:
+            assert [r async for r in replies] == list(range(3000))
+        with anyio.move_on_after(0.1):
+            await ref.ask(("sleep", 30), timeout=None)
+        with anyio.fail_after(5):
+            while await ref.ask("aborted") != 1:
+                await anyio.sleep(0.01)
 
 
 async def test_stream_producer_stays_within_its_credit() -> None:
@@ -117,9 +137,10 @@ async def test_handler_exception_crashes_and_restarts_process() -> None:
         assert ref.statistics().restarts == 1
 
 
-async def test_sigkill_mid_stream_fails_caller_at_once_and_restarts() -> None:
+@over_transports
+async def test_sigkill_mid_stream_fails_caller_at_once_and_restarts(transport: Transport) -> None:
     async with open_supervisor(
-        [process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)
+        [process_child("echo", ECHO, options=_fast(transport))], SupervisorFlags(intensity=5)
     ) as sup:
         ref = await sup.child("echo")
         pid = await _pid(ref)
@@ -176,19 +197,35 @@ async def test_sigstop_is_caught_by_heartbeat_and_killed() -> None:
         assert await _pid(ref) != pid
 
 
-async def test_child_failing_or_exiting_during_start() -> None:
+@over_transports
+async def test_child_failing_or_exiting_during_start(transport: Transport) -> None:
+    opts = _fast(transport)
     with pytest.raises(ChildStartFailed) as failed:
         async with open_supervisor(
-            [process_child("x", "tests.process.workers:FailsToStart", options=FAST)]
+            [process_child("x", "tests.process.workers:FailsToStart", options=opts)]
         ):
             pass
     assert "cannot start" in str(failed.value.cause)
+    with pytest.raises(ChildStartFailed) as broken:
+        async with open_supervisor([process_child("z", "no.such.module:Actor", options=opts)]):
+            pass
+    assert "No module named" in str(broken.value.cause)
     with pytest.raises(ChildStartFailed) as exited:
         async with open_supervisor(
-            [process_child("y", "tests.process.workers:ExitsDuringStart", options=FAST)]
+            [process_child("y", "tests.process.workers:ExitsDuringStart", options=opts)]
         ):
             pass
     assert isinstance(exited.value.cause, ProcessDied)
+
+
+async def test_child_that_never_connects_fails_its_start_in_time() -> None:
+    opts = attrs.evolve(FAST, start_timeout=0.5)
+    with anyio.fail_after(10), pytest.raises(ChildStartFailed) as failed:
+        async with open_supervisor(
+            [process_child("x", "tests.process.workers:HangsBeforeConnecting", options=opts)]
+        ):
+            pass
+    assert isinstance(failed.value.cause, TimeoutError)
 
 
 async def test_crash_loop_backs_off_then_recovers(tmp_path: object) -> None:
@@ -232,11 +269,16 @@ async def test_crash_loop_escalates_when_intensity_is_exceeded() -> None:
     assert exited.value.reason.detail == "reached_max_restart_intensity"
 
 
-async def test_large_and_many_messages() -> None:
-    async with open_supervisor([process_child("echo", ECHO, options=FAST)]) as sup:
+@over_transports
+async def test_large_and_many_messages(transport: Transport) -> None:
+    async with open_supervisor([process_child("echo", ECHO, options=_fast(transport))]) as sup:
         ref = await sup.child("echo")
         blob = os.urandom(16 * 1024 * 1024)
         assert await ref.ask(blob, timeout=30) == len(blob)
+        assert await ref.ask(("echo", blob), timeout=30) == blob  # 16 MiB each way
+        sizes = [0, 1, 255, 4096, 65535, 65536, 262_139, 262_144, 300_001, 2_000_000]
+        echoed = await _gather([ref.ask(("echo", os.urandom(n)), timeout=30) for n in sizes])
+        assert [len(r) for r in echoed] == sizes
         async with anyio.create_task_group() as tg:
             results: list[int] = []
 
@@ -282,9 +324,14 @@ async def test_root_cancelled_leaves_no_process() -> None:
     await _wait_gone(pids)
 
 
-async def test_graceful_stop_over_sigterm_and_sigkill_escalation() -> None:
+@over_transports
+async def test_graceful_stop_over_sigterm_and_sigkill_escalation(transport: Transport) -> None:
     opts = ProcessOptions(
-        heartbeat_interval=0.05, heartbeat_timeout=5, stop_timeout=0.2, term_timeout=0.2
+        transport=transport,
+        heartbeat_interval=0.05,
+        heartbeat_timeout=5,
+        stop_timeout=0.2,
+        term_timeout=0.2,
     )
     async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
         ref = await sup.child("echo")
@@ -327,6 +374,50 @@ def test_root_sigkilled_leaves_no_orphans(tmp_path: object) -> None:
     while time.monotonic() < deadline and any(_alive(p) for p in family):
         time.sleep(0.05)
     assert not [p for p in family if _alive(p)], "orphans survived the root"
+
+
+async def test_closed_link_under_a_live_process_is_a_link_broken_crash() -> None:
+    async with open_supervisor(
+        [process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)
+    ) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        # The child shuts its socket down, then cannot react for a while (its loop blocked):
+        # the parent sees its end close under a process that lives on.
+        with pytest.raises(ActorCrashed) as crash:
+            await ref.ask(("break-link", 5.0), timeout=None)
+        assert isinstance(crash.value.reason.error, LinkBroken)
+        await _wait_gone([pid])
+        await _wait_running(ref, after=1)
+        assert await ref.ask("greeting") == "hello"
+
+
+async def test_child_whose_link_closes_stops_and_is_restarted() -> None:
+    async with open_supervisor(
+        [process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)
+    ) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        async with ref.stream(("forever",)) as replies:
+            with pytest.raises(ActorCrashed):
+                async for item in replies:
+                    if item == 3:
+                        ref.tell_nowait(("break-link", 0))
+        await _wait_gone([pid])
+        await _wait_running(ref, after=1)
+        assert await _pid(ref) != pid
+
+
+async def _gather(calls: list[Awaitable[Any]]) -> list[Any]:
+    results: dict[int, Any] = {}
+
+    async def one(i: int, call: Awaitable[Any]) -> None:
+        results[i] = await call
+
+    async with anyio.create_task_group() as tg:
+        for i, call in enumerate(calls):
+            tg.start_soon(one, i, call)
+    return [results[i] for i in range(len(calls))]
 
 
 def _alive(pid: int) -> bool:

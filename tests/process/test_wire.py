@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import pytest
 
 from actors.process import _frames as f
-from actors.process._link import Link, LinkBroken, new_endpoints
+from actors.process._link import Link, LinkBroken, Transport, connect_link, new_link
 from protocols import codec
 from protocols.control import Abort, Pause  # attrs classes
 from protocols.engine import EngineOutput, PauseMode, Usage
+
+transports = pytest.mark.parametrize("transport", ["unix", "ipc", "tcp"])
 
 
 @pytest.mark.parametrize(
@@ -72,18 +77,21 @@ def test_message_header() -> None:
     assert f.parse_count(memoryview(f.count(256))) == 256
 
 
-async def test_link_keeps_what_is_sent_before_the_peer_connects() -> None:
-    up: list[bytes] = []
-    down: list[bytes] = []
-    parent, child = Link(up.append), Link(down.append)
-    parent_rx, parent_tx = parent.bind(*new_endpoints("ipc", f"test-link-{os.getpid()}"))
+@transports
+async def test_link_keeps_what_is_sent_before_the_peer_connects(transport: Transport) -> None:
+    up: list[bytes | bytearray] = []
+    down: list[bytes | bytearray] = []
+    parent = new_link(transport, up.append)
+    endpoints = parent.bind(f"test-link-{os.getpid()}")
+    child = None
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(parent.run)
-            tg.start_soon(child.run)
             for i in range(5):
-                parent.send(bytes([i]))  # nobody has connected: ZMQ refuses, the link keeps it
-            child.connect(parent_tx, parent_rx)
+                parent.send(bytes([i]))  # nobody has connected: the link keeps it
+            await anyio.sleep(0.01)
+            child = connect_link(endpoints, down.append)
+            tg.start_soon(child.run)
             child.send(b"up")
             with anyio.fail_after(10):
                 while len(down) < 5 or not up:
@@ -92,8 +100,115 @@ async def test_link_keeps_what_is_sent_before_the_peer_connects() -> None:
             child.close()
     finally:
         parent.close()
-        child.close()
+        if child is not None:
+            child.close()
     assert down == [bytes([i]) for i in range(5)]
     assert up == [b"up"]
     with pytest.raises(LinkBroken):
         parent.send(b"late")
+    assert not _files_of(endpoints)
+
+
+@transports
+async def test_link_carries_bursts_of_every_size_in_order(transport: Transport) -> None:
+    # Sizes around the unix link's 256 KiB read buffer and 16 KiB copy threshold, sent in one
+    # burst (more than the socket buffers hold) so frames split across reads and the backlog
+    # is used.
+    sizes = [0, 1, 9, 16383, 16384, 65536, 262_139, 262_140, 262_144, 262_145, 1_000_000]
+    sizes = sizes * 3 + [17] * 5000 + [16 * 1024 * 1024, 5]
+    messages = [os.urandom(n) for n in sizes]
+    async with _linked_pair(transport) as pair:
+        for message in messages:
+            pair.parent.send(message)
+        with anyio.fail_after(30):
+            while len(pair.down) < len(messages):
+                await anyio.sleep(0.005)
+    assert [bytes(m) for m in pair.down] == messages
+
+
+@pytest.mark.parametrize("how", ["shutdown", "close"])
+async def test_peer_closing_its_unix_link_breaks_the_link(how: str) -> None:
+    async with _linked_pair("unix") as pair:
+        pair.child.send(b"last words")
+        if how == "shutdown":  # under the link's feet, as a fault would
+            with socket.socket(fileno=os.dup(pair.child._fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        else:
+            pair.child.close()
+        with anyio.fail_after(5):
+            while "parent" not in pair.errors:
+                await anyio.sleep(0.005)
+        assert "closed" in str(pair.errors["parent"])
+        assert pair.up == [b"last words"]  # what it sent before it closed is delivered
+        assert pair.parent.broken and pair.parent.peer_closed
+        pair.parent.send(b"dropped")  # a broken link drops what is sent: run() raised
+        pair.parent.close()
+        with pytest.raises(LinkBroken):
+            pair.parent.send(b"closed")
+
+
+async def test_send_to_a_closed_peer_breaks_the_unix_link() -> None:
+    async with _linked_pair("unix") as pair:
+        with anyio.fail_after(5):
+            while pair.parent._fd < 0:  # accepted
+                await anyio.sleep(0.005)
+        pair.child.close()
+        pair.parent.send(b"x" * 100)  # EPIPE: the peer's end is gone
+        assert pair.parent.broken
+        with anyio.fail_after(5):
+            while "parent" not in pair.errors:
+                await anyio.sleep(0.005)
+
+
+async def test_unix_link_closed_before_its_peer_connects() -> None:
+    parent = new_link("unix", lambda data: None)
+    endpoints = parent.bind("test-unconnected")
+    assert _files_of(endpoints)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(parent.run)
+        await anyio.sleep(0.01)
+        parent.close()  # the waiting accept ends, run() returns
+    assert not _files_of(endpoints)
+    with pytest.raises(LinkBroken, match="cannot connect"):
+        connect_link(endpoints, lambda data: None)
+
+
+class _Pair:
+    """A parent link and the child link connected to it, what each received, and the
+    ``LinkBroken`` each one's ``run()`` raised."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.up: list[bytes | bytearray] = []
+        self.down: list[bytes | bytearray] = []
+        self.errors: dict[str, LinkBroken] = {}
+        self.parent = new_link(transport, self.up.append)
+        self.endpoints = self.parent.bind(f"test-pair-{os.getpid()}")
+        self.child = connect_link(self.endpoints, self.down.append)
+
+    async def run(self, name: str, link: Link) -> None:
+        try:
+            await link.run()
+        except LinkBroken as exc:
+            self.errors[name] = exc
+
+
+@asynccontextmanager
+async def _linked_pair(transport: Transport) -> AsyncIterator[_Pair]:
+    pair = _Pair(transport)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pair.run, "parent", pair.parent)
+            tg.start_soon(pair.run, "child", pair.child)
+            yield pair
+            tg.cancel_scope.cancel()
+    finally:
+        pair.parent.close()
+        pair.child.close()
+    assert not _files_of(pair.endpoints)
+
+
+def _files_of(endpoints: list[str]) -> list[str]:
+    """The socket files (and the unix link's directory) of these endpoints still there."""
+    paths = [e.split("://", 1)[1] for e in endpoints if not e.startswith("tcp://")]
+    paths += [os.path.dirname(e[len("unix://") :]) for e in endpoints if e.startswith("unix://")]
+    return [p for p in paths if os.path.exists(p)]

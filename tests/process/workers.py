@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,6 +49,12 @@ class Echo(Actor):
                 raise RuntimeError("handler blew up")
             case "exit":
                 os._exit(3)
+            case ("echo", value):
+                return value
+            case ("break-link", stall):
+                _shut_link_socket()
+                time.sleep(stall)  # noqa: ASYNC251 (blocks the loop: no reaction meanwhile)
+                return None
             case ("tell", value):
                 self.told.append(value)
                 return None
@@ -90,9 +98,29 @@ class Echo(Actor):
                 raise ReplyError(f"unknown stream {message!r}")
 
 
+def _shut_link_socket() -> None:
+    """Shut down this process's end of its unix link (the socket connected to the parent's
+    ``actorserve-*`` socket file), under the link's feet."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # not a socket
+        with sock:
+            if sock.family == socket.AF_UNIX and "actorserve-" in str(sock.getpeername()):
+                sock.shutdown(socket.SHUT_RDWR)
+                return
+    raise RuntimeError("no unix link socket in this process")
+
+
 class FailsToStart(Actor):
     async def started(self) -> None:
         raise RuntimeError("cannot start")
+
+
+class HangsBeforeConnecting(Actor):
+    def __init__(self) -> None:
+        time.sleep(30)  # built before the child connects to its parent
 
 
 class ExitsDuringStart(Actor):
