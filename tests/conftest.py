@@ -1,9 +1,13 @@
 """Suite-wide fixtures: every async test runs on asyncio and on trio, and after every test no
-task, child process or socket may be left behind."""
+task, child process, socket or temporary file may be left behind."""
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -18,6 +22,16 @@ from tests.helpers.timetrap import _timetrap
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 pytest_plugins = ["tests.helpers.fixtures"]
+
+# A temporary directory for this run alone (child processes inherit it): whatever appears in it
+# during a test and stays after it is a leak (a socket file of a killed process, say).
+_TMP = tempfile.mkdtemp(prefix="actorserve-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = _TMP
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+
+
+def _temp_files() -> set[str]:
+    return {name for name in os.listdir(_TMP) if not name.startswith("pytest-of-")}
 
 # Every test has a watchdog: a hang fails its test instead of stalling the whole run.
 __all__ = ["_timetrap"]
@@ -54,16 +68,19 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         request.getfixturevalue("_no_leaked_tasks")
     me = psutil.Process()
     sockets_before = socket_fds()
+    files_before = _temp_files()
     yield
     deadline = time.monotonic() + 5.0
     while True:
         children = [c for c in me.children(recursive=True) if _counts_as_leak(c)]
         new_sockets = socket_fds() - sockets_before
-        if (not children and not new_sockets) or time.monotonic() > deadline:
+        new_files = _temp_files() - files_before
+        if (not children and not new_sockets and not new_files) or time.monotonic() > deadline:
             break
         time.sleep(0.02)
     assert not children, f"leaked child processes: {[(c.pid, _cmd(c)) for c in children]}"
     assert not new_sockets, f"leaked sockets: {sorted(new_sockets)}"
+    assert not new_files, f"leaked temporary files: {sorted(new_files)}"
 
 
 def _counts_as_leak(proc: psutil.Process) -> bool:

@@ -12,6 +12,7 @@ import ctypes
 import importlib
 import os
 import signal
+import tempfile
 from typing import Any
 
 import anyio
@@ -40,6 +41,7 @@ class ChildOptions(msgspec.Struct, frozen=True):
     backend: str = "asyncio"
     heartbeat_interval: float = 0.2
     root_pid: int = 0
+    tmpdir: str = ""  # ours alone; the parent removes it once we are gone
 
 
 def resolve(path: str) -> Any:
@@ -65,6 +67,8 @@ def main(endpoints: list[str], factory: str, args: bytes, options: bytes) -> Non
     the parent receives, where it sends."""
     _die_with_parent()
     opts = msgspec.msgpack.decode(options, type=ChildOptions)
+    if opts.tmpdir:
+        os.environ["TMPDIR"] = tempfile.tempdir = opts.tmpdir
     if opts.root_pid and os.getppid() == 1:
         os._exit(1)
     try:

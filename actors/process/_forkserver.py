@@ -4,9 +4,9 @@ multiprocessing's forkserver re-runs the parent's ``__main__`` in every child an
 arguments with pickle; this one runs only :func:`actors.process._child.main`, with msgpack
 commands on a pipe.
 
-Orphans are impossible by construction: the server exits (killing its children) when its stdin
-closes, which happens when the root dies however it dies, and every child carries
-``PR_SET_PDEATHSIG=SIGKILL`` against the server.
+Orphans are impossible by construction: the server exits (killing its children and removing
+their temporary directories) when its stdin closes, which happens when the root dies however it
+dies, and every child carries ``PR_SET_PDEATHSIG=SIGKILL`` against the server.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import os
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -74,11 +75,12 @@ class ForkServer:
     def pid(self) -> int:
         return self._proc.pid
 
-    def spawn(self, args: list[Any], preload: list[str]) -> int:
+    def spawn(self, args: list[Any], preload: list[str], tmpdir: str) -> int:
         """Fork a child running ``_child.main(*args)``, once the server has imported
-        ``preload``; its pid (blocking: run in a thread)."""
+        ``preload``; its pid (blocking: run in a thread). The server removes ``tmpdir`` when it
+        kills the child because the root is gone."""
         with self._lock:
-            _write(self._in, ["spawn", args, preload])
+            _write(self._in, ["spawn", args, preload, tmpdir])
             while True:
                 event = _read(self._out_fd)
                 if event[0] == "pid":
@@ -145,6 +147,7 @@ def _serve() -> None:
     commands = sys.stdin.buffer.fileno()
     out = sys.stdout.buffer
     children: dict[int, int | None] = {}
+    tmpdirs: list[str] = []  # the root removes each once its child is gone, unless it died
     while True:
         ready, _, _ = select.select([commands], [], [], 0.05)
         children.update(_reap(children))
@@ -172,6 +175,7 @@ def _serve() -> None:
                 finally:
                     os._exit(code)
             children[pid] = None
+            tmpdirs.append(command[3])
             _write(out, ["pid", pid])
         elif command[0] == "status":
             pid = int(command[1])
@@ -187,6 +191,8 @@ def _serve() -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    for path in tmpdirs:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _reap(children: dict[int, int | None]) -> list[tuple[int, int]]:

@@ -14,7 +14,9 @@ import contextlib
 import itertools
 import os
 import select
+import shutil
 import signal
+import tempfile
 import time
 from typing import Any, Literal
 
@@ -170,6 +172,7 @@ class ProcessActor(Actor):
         self.streams: dict[int, StreamChannel] = {}
         self._pid: int | None = None
         self._pidfd: int | None = None
+        self._tmpdir: str | None = None
         self._exitcode: int | None = None
         self._forwarder = _Forwarder(self)
         self._last_seen = time.monotonic()
@@ -198,18 +201,29 @@ class ProcessActor(Actor):
             if self._alive():
                 self._signal(signal.SIGKILL)
             self._shutdown(ActorCrashed(self.ref.name, ExitReason.killed("start failed")))
+            self._remove_tmpdir()
             raise
 
     async def _start(self) -> None:
         opts = self.options
         endpoints = self.wire.bind(f"{next(_ids)}")
+        # The child's temporary files (its sockets among them) go to a directory of its own,
+        # removed once it is gone: a SIGKILLed child cannot clean up after itself.
+        self._tmpdir = tempfile.mkdtemp(prefix="actorserve-")
         options = msgspec.msgpack.encode(
-            ChildOptions(self.process_name, opts.backend, opts.heartbeat_interval, os.getpid())
+            ChildOptions(
+                self.process_name, opts.backend, opts.heartbeat_interval, os.getpid(), self._tmpdir
+            )
         )
         self._ready = backend().reply()
         self.start_soon(self._serve_link, name=f"{self.process_name} link")
         self._pid = await anyio.to_thread.run_sync(
-            start_process, endpoints, self.factory, codec.encode(list(self.args)), options
+            start_process,
+            endpoints,
+            self.factory,
+            codec.encode(list(self.args)),
+            options,
+            self._tmpdir,
         )
         # A pidfd becomes readable the instant the process exits, whoever its parent is.
         self._pidfd = os.pidfd_open(self._pid)
@@ -295,6 +309,12 @@ class ProcessActor(Actor):
             if self._alive():
                 self._signal(signal.SIGKILL)
             self._shutdown(ActorCrashed(self.ref.name, ExitReason.killed()))
+            self._remove_tmpdir()
+
+    def _remove_tmpdir(self) -> None:
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
 
     async def _serve_link(self) -> None:
         try:

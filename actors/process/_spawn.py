@@ -17,12 +17,14 @@ def preload(modules: Iterable[str]) -> None:
             _PRELOAD.append(name)
 
 
-def start_process(endpoints: list[str], factory: str, args: bytes, options: bytes) -> int:
+def start_process(
+    endpoints: list[str], factory: str, args: bytes, options: bytes, tmpdir: str
+) -> int:
     """Fork a child running ``actors.process._child.main``; its pid (blocking: run in a
-    thread)."""
+    thread). ``tmpdir`` is the child's own: the server removes it if the root dies first."""
     from actors.process._forkserver import forkserver
 
-    return forkserver(_PRELOAD).spawn([endpoints, factory, args, options], _PRELOAD)
+    return forkserver(_PRELOAD).spawn([endpoints, factory, args, options], _PRELOAD, tmpdir)
 
 
 def exit_code(pid: int) -> int | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -126,7 +127,7 @@ class KVBridge:
         self._stack.callback(agent.close)
         self._stack.callback(pool.close)  # LIFO: deregistered while the agent is still open
         if self.role == "prefill":
-            path = f"ipc:///tmp/actorserve-kv-{os.getpid()}-{self.worker_id}.sock"
+            path = self._endpoint("kv")
             self.service = await self._stack.enter_async_context(
                 PrefillKV(agent, pool, endpoint=path, worker_id=self.worker_id)
             )
@@ -146,7 +147,7 @@ class KVBridge:
         agent = NixlAgent(f"handover-{self.worker_id}-{os.getpid()}")
         self._stack.callback(agent.close)
         self._stack.callback(pool.close)
-        path = f"ipc:///tmp/actorserve-kvh-{os.getpid()}-{self.worker_id}.sock"
+        path = self._endpoint("kvh")
         self.source = await self._stack.enter_async_context(
             PrefillKV(agent, pool, endpoint=path, worker_id=self.worker_id)
         )
@@ -155,6 +156,12 @@ class KVBridge:
         # while the source service is still open.
         self._senders = await self._stack.enter_async_context(anyio.create_task_group())
         self._stack.callback(self._senders.cancel_scope.cancel)
+
+    def _endpoint(self, kind: str) -> str:
+        # In a worker process the temporary directory is the process's own (removed with it).
+        return (
+            f"ipc://{tempfile.gettempdir()}/actorserve-{kind}-{os.getpid()}-{self.worker_id}.sock"
+        )
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()

@@ -271,7 +271,10 @@ async def test_crash_loop_escalates_when_intensity_is_exceeded() -> None:
 
 @over_transports
 async def test_large_and_many_messages(transport: Transport) -> None:
-    async with open_supervisor([process_child("echo", ECHO, options=_fast(transport))]) as sup:
+    # Heartbeats are not under test here: 16 MiB messages and 2000 asks on two busy cores can
+    # keep either side from reading a heartbeat for half a second.
+    options = attrs.evolve(_fast(transport), heartbeat_timeout=10.0)
+    async with open_supervisor([process_child("echo", ECHO, options=options)]) as sup:
         ref = await sup.child("echo")
         blob = os.urandom(16 * 1024 * 1024)
         assert await ref.ask(blob, timeout=30) == len(blob)
