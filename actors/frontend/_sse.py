@@ -37,21 +37,24 @@ class SSEWriter:
     one. ``disconnected`` tells whether the client went away (the producer is then cancelled).
     """
 
-    __slots__ = ("_ended", "_scope", "_send", "_started", "disconnected")
+    __slots__ = ("_ended", "_scope", "_send", "_started", "_wake", "disconnected")
 
     def __init__(self, send: Send, scope: anyio.CancelScope) -> None:
         self._send = send
         self._scope = scope
-        self._started = anyio.Event()
-        self._ended = anyio.Event()
+        # Flags, not events: only the pings wait for them (with an event of their own).
+        self._started = False
+        self._ended = False
+        self._wake: anyio.Event | None = None
         self.disconnected = False
 
     async def start(self, head: Response | None = None) -> None:
         if head is None:
             await self._write({"type": "http.response.start", "status": 200, "headers": _HEADERS})
-            self._started.set()
+            self._started = True
+            self._notify()
             return
-        self._ended.set()
+        self._end()
         start = {"type": "http.response.start", "status": head.status_code}
         await self._write({**start, "headers": head.raw_headers})
         await self._write({"type": "http.response.body", "body": head.body, "more_body": False})
@@ -62,7 +65,7 @@ class SSEWriter:
 
     async def end(self, frames: bytes) -> None:
         """Send the last frames and end the response."""
-        self._ended.set()
+        self._end()
         await self._write({"type": "http.response.body", "body": frames, "more_body": False})
 
     async def _write(self, message: dict[str, object]) -> None:
@@ -75,9 +78,18 @@ class SSEWriter:
             await anyio.lowlevel.checkpoint()
             raise
 
+    def _end(self) -> None:
+        self._ended = True
+        self._notify()
+
+    def _notify(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            wake.set()
+
     def _stop(self, *, disconnected: bool) -> None:
         self.disconnected = disconnected
-        self._ended.set()
+        self._end()
         self._scope.cancel()
 
     async def _watch(self, receive: Receive) -> None:
@@ -85,17 +97,19 @@ class SSEWriter:
         # send once the response is complete (then it is no news and ends this task).
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self._ended.is_set():
+        if not self._ended:
             self._stop(disconnected=True)
 
     async def _ping(self, interval: float) -> None:
-        await self._started.wait()
-        while True:
+        while not self._started and not self._ended:
+            wake = self._wake = anyio.Event()
+            await wake.wait()
+        while not self._ended:
+            wake = self._wake = anyio.Event()
             with anyio.move_on_after(interval):
-                await self._ended.wait()
-            if self._ended.is_set():
-                return
-            await self.send(PING_FRAME)
+                await wake.wait()
+            if not self._ended:
+                await self.send(PING_FRAME)
 
 
 Producer = Callable[[SSEWriter], Awaitable[None]]
@@ -128,7 +142,7 @@ class SSEResponse(Response):
                 try:
                     await self._produce(writer)
                 finally:
-                    if not writer._ended.is_set():
+                    if not writer._ended:
                         # The producer failed before the end: stop the watcher and the pings.
                         writer._stop(disconnected=writer.disconnected)
         except BaseExceptionGroup as group:

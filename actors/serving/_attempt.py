@@ -241,6 +241,10 @@ class RequestOutputs:
         return self._closed
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """:meth:`aclose` without waiting (it never needs to)."""
         if self._closed:
             return
         self._closed = True

@@ -60,7 +60,7 @@ class ModelService(Backend):
 
 class _Outputs(RequestOutputs):
     """One request's outputs, served by a request-stream actor started on the first
-    ``__anext__``; ``aclose`` (always called, see :class:`~actors.frontend.Backend`) ends the
+    ``__anext__``; closing it (always done, see :class:`~actors.frontend.Backend`) ends the
     request and counts it out of admission."""
 
     __slots__ = ("_service",)
@@ -75,7 +75,7 @@ class _Outputs(RequestOutputs):
             raise NoWorkerAvailable("the request could not be started")
         return ref
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         if not self.closed:
-            await super().aclose()
+            super().close()
             self._service.admission.leave()
