@@ -208,6 +208,11 @@ class ReplyStream(Generic[T]):
         item: T = self._channel.receive_nowait()
         return item
 
+    @property
+    def buffered(self) -> int:
+        """How many replies are here, unread (what :meth:`receive_nowait` can take)."""
+        return len(self._channel._buffer)
+
     def close(self) -> None:
         """Stop consuming; the producing handler is cancelled if still running."""
         if self._open:

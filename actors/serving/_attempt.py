@@ -17,7 +17,6 @@ from typing import Any
 
 import attrs
 import msgspec
-from anyio import WouldBlock
 
 from actors import ActorError, ActorRef, Call, ReplyStream
 from actors.serving._metrics import LIVE_MIGRATIONS, MIGRATION_SECONDS
@@ -124,12 +123,9 @@ class Attempt:
 
     def receive_nowait(self) -> EngineOutput | None:
         """An output already here for the client, or ``None``."""
-        while not self.finished:
-            try:
-                output = self.outputs.receive_nowait()
-            except WouldBlock:
-                return None
-            accepted = self.accept(output)
+        outputs = self.outputs
+        while not self.finished and outputs.buffered:
+            accepted = self.accept(outputs.receive_nowait())
             if accepted is not None:
                 return accepted
         return None

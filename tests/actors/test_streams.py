@@ -93,7 +93,9 @@ async def test_receive_nowait_takes_only_what_is_buffered() -> None:
                 replies.receive_nowait()  # the producer has not run yet
             assert await replies.receive() == 0
             await wait_until(lambda: ref._cell.runtime.actor.ended == ["done"])
+            assert replies.buffered == 2
             assert [replies.receive_nowait(), replies.receive_nowait()] == [1, 2]
+            assert replies.buffered == 0
             with pytest.raises(anyio.WouldBlock):
                 replies.receive_nowait()  # the end is for receive() to report
             with pytest.raises(StopAsyncIteration):
