@@ -88,12 +88,14 @@ class Actor:
     @property
     def task_group(self) -> anyio.abc.TaskGroup:
         """Tasks started here live no longer than this incarnation."""
+        self._runtime.spawned = True
         return self._runtime.task_group
 
     def start_soon(
         self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None
     ) -> None:
         """Run ``fn(*args)`` as a task of this actor; if it raises, the actor crashes."""
+        self._runtime.spawned = True
         self._runtime.task_group.start_soon(fn, *args, name=name)
 
     def stop(self, reason: ExitReason | None = None) -> None:

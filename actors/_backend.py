@@ -48,6 +48,7 @@ class Reply(Protocol):
 
 class Backend(Protocol):
     name: str
+    deadlines: Deadlines  # the event loop's timeout sweep (see actors._timeouts)
 
     def parking(self) -> Parking: ...
 

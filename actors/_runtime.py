@@ -70,6 +70,10 @@ class Incarnation:
         self.kill_reason: ExitReason | None = None
         self.exit_reason: ExitReason | None = None
         self._pumps = 0
+        # The actor started tasks of its own (or took its task group): they are cancelled when it
+        # stops. Without any, the stop skips that cancellation (anyio formats the cancelling
+        # task's repr for every cancel: a tenth of a request stream's exit).
+        self.spawned = False
         # Set by a process actor whose process is gone while it tells a crash from a clean exit:
         # it still runs, but must not be picked for new work.
         self.dying = False
@@ -173,7 +177,8 @@ class Incarnation:
                         await self._wait_pumps()
                         stopping_ran = True
                         await self.actor.stopping(reason)
-                        tg.cancel_scope.cancel()
+                        if self.spawned:
+                            tg.cancel_scope.cancel()
                 except BaseException as exc:
                     error = _failure(exc)
                     if error is None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from anyio import WouldBlock
 
-from actors._backend import Backend
+from actors._backend import Backend, Parking
 from actors._errors import StreamCancelled
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ class StreamChannel:
     """The buffer between one producing handler and one consumer."""
 
     __slots__ = (
+        "_backend",
         "_buffer",
         "_consumer",
         "_producer",
@@ -50,6 +51,7 @@ class StreamChannel:
     )
 
     def __init__(self, backend: Backend, capacity: int) -> None:
+        self._backend = backend
         self._buffer: deque[Any] = deque()
         self.capacity = max(1, capacity)
         self._consumer = backend.parking()
@@ -88,16 +90,41 @@ class StreamChannel:
 
     # -- consumer side --------------------------------------------------------------------
 
-    async def receive(self) -> Any:
-        """The next reply; ``StopAsyncIteration`` at the end; the producer's error if it failed."""
+    async def receive(self, timeout: float | None = None) -> Any:
+        """The next reply; ``StopAsyncIteration`` at the end; the producer's error if it failed;
+        ``TimeoutError`` if none came within ``timeout`` seconds (``None``: no limit)."""
         buffer = self._buffer
+        if buffer:
+            return self._take()
+        if timeout is not None:
+            return await self._receive_within(timeout)
         while not buffer:
             if self.finished:
-                if self.error is not None:
-                    raise self.error
-                raise StopAsyncIteration
+                self._raise_end()
             await self._consumer.park()
         return self._take()
+
+    async def _receive_within(self, timeout: float) -> Any:
+        # No timer per call: the event loop's deadline sweep (the one ask timeouts use) wakes
+        # the consumer if nothing came in time, up to two ticks late.
+        expiry = _Expiry(self._consumer)
+        self._backend.deadlines.add(timeout, expiry)
+        buffer = self._buffer
+        try:
+            while not buffer:
+                if self.finished:
+                    self._raise_end()
+                if expiry.expired:
+                    raise TimeoutError(f"no reply within {timeout} s")
+                await self._consumer.park()
+        finally:
+            expiry.done = True
+        return self._take()
+
+    def _raise_end(self) -> None:
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration
 
     def receive_nowait(self) -> Any:
         """The next reply if one is buffered, else raise ``anyio.WouldBlock`` (the end of the
@@ -129,6 +156,22 @@ class StreamChannel:
             self.hooks.cancelled()
 
 
+class _Expiry:
+    """A timed receive's entry in the deadline sweep (see ``actors._timeouts``)."""
+
+    __slots__ = ("_consumer", "done", "expired")
+
+    def __init__(self, consumer: Parking) -> None:
+        self._consumer = consumer
+        self.done = False
+        self.expired = False
+
+    def expire(self) -> None:
+        if not self.done:
+            self.expired = self.done = True
+            self._consumer.unpark()
+
+
 class ReplyStream(Generic[T]):
     """What :meth:`ActorRef.stream` returns: an async iterator, best used as a context manager
     so an early exit cancels the producer at once::
@@ -153,14 +196,22 @@ class ReplyStream(Generic[T]):
         # stream (closing an ended stream is a no-op).
         return self._channel.receive()
 
-    async def receive(self) -> T:
-        """The next reply (``StopAsyncIteration`` at the end)."""
-        return await self.__anext__()
+    async def receive(self, timeout: float | None = None) -> T:
+        """The next reply (``StopAsyncIteration`` at the end); ``TimeoutError`` if none came
+        within ``timeout`` seconds (it fires up to two ticks of the deadline sweep late, 20 ms,
+        and costs no timer)."""
+        item: T = await self._channel.receive(timeout)
+        return item
 
     def receive_nowait(self) -> T:
         """The next reply if one is already here, else raise ``anyio.WouldBlock``."""
         item: T = self._channel.receive_nowait()
         return item
+
+    @property
+    def buffered(self) -> int:
+        """How many replies are here, unread (what :meth:`receive_nowait` can take)."""
+        return len(self._channel._buffer)
 
     def close(self) -> None:
         """Stop consuming; the producing handler is cancelled if still running."""

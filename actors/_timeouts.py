@@ -1,4 +1,4 @@
-"""Ask timeouts without a timer per ask.
+"""Ask timeouts (and timed stream receives) without a timer per ask.
 
 A timer handle (asyncio) or a cancel scope with a deadline (trio) per ask costs about a third of
 a local round trip, and even a clock read per ask is a tenth of a tell. Instead, an ask only
@@ -6,7 +6,8 @@ notes its timeout; each event loop sweeps every :data:`TICK` seconds. A sweep st
 noted since the last one with its own time (at or after they were made, so a deadline is never
 early), dropping those already answered (nearly all), and files the rest in one FIFO per distinct
 timeout value, whose deadlines only grow: it fails what expired and drops what finished from the
-front. Timeouts fire up to two ticks late (the default ask timeout is 5 s).
+front, and drops a value's FIFO once empty (a timeout left until a deadline takes many values).
+Timeouts fire up to two ticks late (the default ask timeout is 5 s).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class Deadlines:
                 queue.clear()
                 queue.extend(live)
         pending = False
-        for queue in queues.values():
+        emptied: list[float] = []
+        for timeout, queue in queues.items():
             while queue:
                 when, reply = queue[0]
                 if reply.done:
@@ -68,6 +70,11 @@ class Deadlines:
                 else:
                     pending = True
                     break
+            if not queue:
+                emptied.append(timeout)
+        for timeout in emptied:
+            # Timeouts computed from a deadline take many values: keep no queue per value.
+            del queues[timeout]
         self.armed = pending
         return pending
 

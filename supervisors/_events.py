@@ -38,20 +38,42 @@ _DEBUG = frozenset({"started", "terminated"})
 _counters: dict[tuple[str, str, str], Any] = {}
 
 
+# The logger bound for the current structlog configuration, and that configuration's parts.
+_bound: tuple[tuple[Any, ...], Any] | None = None
+
+
+def _logger() -> Any:
+    """The module logger, bound once per structlog configuration: the lazy proxy builds a new
+    bound logger for every call, which cost a tenth of a request stream's start and exit.
+    ``configure()`` again (an embedding app's setup) rebinds it; ``capture_logs`` edits the
+    processor list in place, which a bound logger sees."""
+    global _bound
+    config = structlog.get_config()
+    key = (
+        config["processors"],
+        config["wrapper_class"],
+        config["logger_factory"],
+        config["context_class"],
+    )
+    if _bound is None or any(a is not b for a, b in zip(_bound[0], key, strict=True)):
+        _bound = (key, _log.bind())
+    return _bound[1]
+
+
 def emit(supervisor: str, child: str, event: str, **fields: Any) -> None:
     key = (supervisor, child, event)
     counter = _counters.get(key)
     if counter is None:
         counter = _counters[key] = _EVENTS.labels(supervisor, child, event)
     counter.inc()
-    log = _log.debug if event in _DEBUG else _log.info
+    level = "debug" if event in _DEBUG else "info"
     if event == "exited":
         # A normal exit (a finished request stream) is routine; a crash is not.
-        log = _log.warning if fields.get("abnormal") else _log.debug
+        level = "warning" if fields.get("abnormal") else "debug"
     elif event in ("escalated", "start_failed"):
-        log = _log.warning
+        level = "warning"
     try:
-        log(event, supervisor=supervisor, child=child, **fields)
+        getattr(_logger(), level)(event, supervisor=supervisor, child=child, **fields)
     except (OSError, ValueError):
         pass  # a closed or broken log stream must never take a supervisor down
 

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from protocols.engine import EngineOutput, PreprocessedRequest
 from protocols.errors import ModelNotFound, Overloaded, RequestError
@@ -30,6 +31,7 @@ from ._errors import (
     invalid,
     validation_error_response,
 )
+from ._fastpath import DirectRoute, FastPath
 from ._mapping import build_request, chat_prompt, completion_prompt, guided_decoding
 from ._metrics import FrontendMetrics, RequestMetrics
 from ._openai_types import (
@@ -101,7 +103,7 @@ def create_app(
     """
     frontend = _Frontend(backend, registry, max_inflight, retry_after_s, ping_interval_s)
     ops = Ops(backend, registry)
-    app = FastAPI(
+    app = _App(
         title="actorserve",
         version="0.1.0",
         description="OpenAI-compatible API",
@@ -148,7 +150,33 @@ def create_app(
     app.add_exception_handler(HTTPException, _on_http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(RequestError, frontend.on_request_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, internal_error_handler)
+    routes = {
+        CHAT_PATH: DirectRoute(ChatCompletionRequest, frontend.chat_completions),
+        COMPLETIONS_PATH: DirectRoute(CompletionRequest, frontend.completions),
+    }
+    app.fast_path = FastPath(app.full_path, routes, max_body_bytes)
     return app
+
+
+class _App(FastAPI):
+    """FastAPI, with well-formed generation requests taking a direct path (see
+    :mod:`._fastpath`)."""
+
+    fast_path: FastPath | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        fast = self.fast_path
+        route = fast.route(scope) if fast is not None else None
+        if route is None:
+            await super().__call__(scope, receive, send)
+        else:
+            assert fast is not None
+            scope["app"] = self
+            await fast.serve(route, scope, receive, send)
+
+    async def full_path(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The request through FastAPI's middleware and routing."""
+        await super().__call__(scope, receive, send)
 
 
 async def _on_http_exception(request: Request, exc: HTTPException) -> Response:

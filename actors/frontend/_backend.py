@@ -42,7 +42,8 @@ class Backend(Protocol):
 
     Optionally the iterator has ``next_nowait()``: an output that is already here, or ``None``
     (never waits; the end of the stream and errors are for ``__anext__`` to report). Outputs
-    found that way are written to the client together, in one write.
+    found that way are written to the client together, in one write. It may also have
+    ``close()``: a close that never waits, used instead of ``aclose()``.
 
     Task contract: ``generate`` is called, and its iterator advanced and closed, from one task
     (the request's for a non-streaming request, the SSE response's for a stream). Still, keep no

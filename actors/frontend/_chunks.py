@@ -116,16 +116,31 @@ def _frame(body: bytes) -> bytes:
     return b"data: " + body + b"\n\n"
 
 
+#: Stands for the text when a renderer encodes its frame template (any text would do).
+_MARK = "\x00"
+_ENCODED_MARK = _encode(_MARK)
+
+
 class Renderer(abc.ABC):
     """Renders one request's stream frames and its non-streaming body."""
 
-    __slots__ = ("created", "id", "include_usage", "model")
+    __slots__ = ("_head", "_tail", "created", "id", "include_usage", "model")
 
     def __init__(self, id: str, model: str, created: int, *, include_usage: bool) -> None:
         self.id = id
         self.model = model
         self.created = created
         self.include_usage = include_usage
+        # The frame of a text delta (no finish reason) around its text, encoded once: each delta
+        # then encodes only its text, with the same bytes as encoding the whole chunk.
+        self._head, _, self._tail = self._frame_of(_MARK).rpartition(_ENCODED_MARK)
+
+    def _text_frame(self, text: str) -> bytes:
+        return self._head + _encode(text) + self._tail
+
+    @abc.abstractmethod
+    def _frame_of(self, text: str) -> bytes:
+        """The frame of a delta with (non-empty) ``text`` and no finish reason."""
 
     @abc.abstractmethod
     def start(self) -> bytes | None:
@@ -157,8 +172,13 @@ class ChatRenderer(Renderer):
         return self._chunk(choice)
 
     def delta(self, text: str, finish_reason: str | None = None) -> bytes:
+        if text and finish_reason is None:
+            return self._text_frame(text)
         delta = _ChatDelta(content=text) if text else _ChatDelta()
         return self._chunk(_ChatChunkChoice(0, delta, None, finish_reason))
+
+    def _frame_of(self, text: str) -> bytes:
+        return self._chunk(_ChatChunkChoice(0, _ChatDelta(content=text)))
 
     def _chunk(self, choice: _ChatChunkChoice) -> bytes:
         chunk = _ChatChunk(
@@ -195,6 +215,11 @@ class CompletionRenderer(Renderer):
         return None
 
     def delta(self, text: str, finish_reason: str | None = None) -> bytes:
+        if finish_reason is None:
+            return self._text_frame(text)
+        return self._frame_of(text, finish_reason)
+
+    def _frame_of(self, text: str, finish_reason: str | None = None) -> bytes:
         choice = _CompletionChoice(0, text, None, finish_reason)
         chunk = _CompletionChunk(
             self.id, "text_completion", self.created, self.model, [choice], self._chunk_usage()

@@ -31,12 +31,21 @@ async def next_output(outputs: AsyncIterator[EngineOutput]) -> EngineOutput:
 
 
 async def aclose_quietly(outputs: AsyncIterator[EngineOutput]) -> None:
-    """Close the backend's iterator (its cue to abort the request), shielded and bounded.
+    """Close the backend's iterator (its cue to abort the request), shielded and bounded; with
+    its ``close()`` if it has one.
 
     Shielded: this runs while the request is being cancelled, and the backend's cleanup must be
     able to await (send the abort). Bounded: a backend that hangs in cleanup must not hold the
     connection forever. Errors are logged, not raised: the request is over either way.
     """
+    close = getattr(outputs, "close", None)
+    if close is not None:
+        # It closes without waiting (see Backend): no cancel scope, no timer.
+        try:
+            close()
+        except Exception as exc:
+            log.warning("backend output stream failed to close cleanly", exc_info=exc)
+        return
     aclose = getattr(outputs, "aclose", None)
     if aclose is None:
         return

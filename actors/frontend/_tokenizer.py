@@ -16,6 +16,7 @@ emits half a UTF-8 sequence (it holds the bytes back until the character is comp
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -119,6 +120,7 @@ class ByteTokenizer:
         return _ByteDetokenizer()
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the mock's vocabulary fits: one lookup per token
 def _word(token_id: int) -> str:
     n = token_id - ByteTokenizer.FIRST_WORD_ID
     syllable = _SYLLABLES[n % len(_SYLLABLES)]
@@ -135,6 +137,8 @@ class _ByteDetokenizer:
         self._partial = False  # the decoder may hold the start of a character
 
     def step(self, token_ids: Sequence[int]) -> str:
+        if token_ids and not 0 <= token_ids[0] < 256:
+            return self._mixed(token_ids)  # (bytes() would only fail on it)
         try:
             # Fast path: only byte ids (bytes() rejects anything outside 0-255).
             data = bytes(token_ids)

@@ -2,6 +2,7 @@
 the tree ``actorserve run`` builds."""
 
 from actors.serving._admission import Admission
+from actors.serving._attempt import RequestOutputs
 from actors.serving._config import ServeConfig, load_config
 from actors.serving._request import RequestStream, StreamOptions
 from actors.serving._router import Route, Routed, Router
@@ -13,6 +14,7 @@ __all__ = [
     "Admission",
     "Frontend",
     "ModelService",
+    "RequestOutputs",
     "RequestStream",
     "Route",
     "Routed",

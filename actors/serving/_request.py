@@ -1,6 +1,6 @@
 """The request-stream actor: owns one request from routing to its last token.
 
-It routes the request, streams the engine's outputs to the client, and on a *migratable* error
+It routes the request, opens the engine's stream for the client, and on a *migratable* error
 (worker death, drain, shutdown, a stalled or truncated stream) re-dispatches it to another worker
 with the prompt plus every token generated so far, ``max_tokens``/``min_tokens`` reduced and the
 same seed, up to the migration limit: the client sees one uninterrupted stream. A draining
@@ -11,77 +11,55 @@ which is dropped), and if that fails before its first output, the same migration
 token replay. A client cancel aborts the engine request and is never migrated. Each output must
 arrive within the stall timeout and the whole request within its deadline, so no request hangs
 after a worker was chosen.
+
+The actor decides each attempt (route, migrate, hand over, give up); the outputs of an attempt
+go to the client in the client's own task (see ``_attempt.py``), not through this actor's.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import attrs
 import msgspec
 import structlog
-from prometheus_client import Counter, Histogram
 
-from actors import Actor, ActorError, ActorRef, ExitReason
+from actors import Actor, ActorError, ActorRef, ReplyError
+from actors.serving._attempt import (
+    Attempt,
+    Begin,
+    Finish,
+    Handover,
+    Progress,
+    RequestOutputs,
+    Retry,
+)
+from actors.serving._metrics import (
+    CANCELLATIONS,
+    FALLBACKS,
+    LIVE_MIGRATIONS,
+    MIGRATION_SECONDS,
+    MIGRATIONS,
+)
 from actors.serving._router import Route, Routed
 from actors.serving._routing import RoutingTable
-from actors.telemetry import REGISTRY
 from protocols import control
-from protocols.engine import (
-    BootstrapInfo,
-    EngineOutput,
-    PreprocessedRequest,
-    StopConditions,
-    Usage,
-)
+from protocols.engine import BootstrapInfo, PreprocessedRequest, StopConditions
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
     MigrationExhausted,
     NoWorkerAvailable,
     RequestError,
-    RequestTimeout,
-    StreamIncomplete,
-    StreamStalled,
 )
 
 __all__ = ["MIGRATIONS", "RequestStream", "StreamOptions"]
 
 _log = structlog.get_logger("actorserve.request")
-
-MIGRATIONS = Counter(
-    "actorserve_migration",
-    "Requests re-dispatched to another worker.",
-    ["model", "type"],
-    registry=REGISTRY,
-)
-MIGRATION_SECONDS = Histogram(
-    "actorserve_migration_duration_seconds",
-    "From the failure to the first output of the new worker (or the terminal error).",
-    ["model", "type", "outcome"],
-    registry=REGISTRY,
-)
-FALLBACKS = Counter(
-    "actorserve_decode_only_fallback",
-    "Disaggregated requests served by a decode worker alone (no prefill worker routable).",
-    ["model"],
-    registry=REGISTRY,
-)
-LIVE_MIGRATIONS = Counter(
-    "actorserve_live_migration",
-    "Requests a draining decode worker handed over with their KV: continued on the new worker "
-    "(success) or replayed from their tokens instead (fallback).",
-    ["model", "outcome"],
-    registry=REGISTRY,
-)
-CANCELLATIONS = Counter(
-    "actorserve_cancellation", "Requests cancelled by their client.", ["model"], registry=REGISTRY
-)
 
 
 @attrs.frozen
@@ -95,7 +73,12 @@ class StreamOptions:
 
 
 class RequestStream(Actor):
-    """One per request, a temporary child of the model's ``streams`` supervisor."""
+    """One per request, a temporary child of the model's ``streams`` supervisor.
+
+    Its consumer reads the request through :class:`~actors.serving.RequestOutputs` (asks
+    :class:`Begin`, then :class:`Retry` per failed attempt, tells :class:`Finish`); a stream
+    request (``ref.stream(request)``) does the same in this actor's own stream task.
+    """
 
     reply_errors = (RequestError,)
 
@@ -105,122 +88,169 @@ class RequestStream(Actor):
         self.router = router
         self.options = options
         self.table = table
-        # A draining worker's offer of this request's KV, until an attempt took it (or it is
-        # given back: on every other way out, the worker is told to free it).
-        self._live: _Handover | None = None
+        self._progress: Progress | None = None
+        self._attempt: Attempt | None = None  # the one being read: its router slot is ours
+        self._excluded: tuple[str, ...] = ()
+        self._migrations_left = options.migration_limit
+        self._ended = False
 
-    async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
+    async def receive(self, message: Any) -> Any:
+        match message:
+            case Begin(request=request):
+                if self._progress is not None:
+                    raise ReplyError("a request stream serves one request")
+                deadline = time.monotonic() + self.options.request_timeout
+                self._progress = Progress(request, deadline)
+                return await self._next(None, None)
+            case Retry(attempt=attempt, error=error):
+                return await self._next(attempt, error)
+            case Finish(cancelled=cancelled):
+                self._finish(cancelled)
+                return None
+            case _:
+                return await super().receive(message)
+
+    async def receive_stream(self, message: Any) -> AsyncIterator[Any]:
         if not isinstance(message, PreprocessedRequest):
             raise TypeError(f"expected a PreprocessedRequest, got {type(message).__name__}")
+        outputs = RequestOutputs(self.ref, message)
         try:
-            async with aclosing(self._serve(message)) as outputs:
-                async for output in outputs:
-                    yield output
-        except anyio.get_cancelled_exc_class():
-            CANCELLATIONS.labels(self.options.model).inc()
-            raise
-        except GeneratorExit:
-            CANCELLATIONS.labels(self.options.model).inc()
-            raise
+            async for output in outputs:
+                yield output
         finally:
-            if self._live is not None:
-                self._release(self._live)
-            self.stop(ExitReason.normal())
+            await outputs.aclose()
 
-    async def _serve(self, original: PreprocessedRequest) -> AsyncGenerator[EngineOutput, None]:
-        opts = self.options
-        deadline = time.monotonic() + opts.request_timeout
-        generated: list[int] = []
-        excluded: list[str] = []
-        migrations_left = opts.migration_limit
-        failed_at: float | None = None
-        migration_type = "new_request"
-        request = original
-        while True:
-            routed: Routed | None = None
-            offer: _Handover | None = None
-            try:
-                if self._live is not None:  # continue from the handed-over KV
-                    routed = await self.router.ask(Route(request, tuple(excluded), role="decode"))
-                elif opts.disaggregated:
-                    routed, request = await self._dispatch_prefill(
-                        request, tuple(excluded), deadline
-                    )
-                else:
-                    routed = await self._route(
-                        Route(request, tuple(excluded)), deadline, retrying=failed_at is not None
-                    )
-                async with aclosing(self._attempt(routed, request, deadline)) as outputs:
-                    async for output in outputs:
-                        if failed_at is not None:
-                            MIGRATION_SECONDS.labels(opts.model, migration_type, "success").observe(
-                                time.monotonic() - failed_at
-                            )
-                            failed_at = None
-                        if self._live is not None:
-                            output = _drop_repeated(output, generated)
-                            LIVE_MIGRATIONS.labels(opts.model, "success").inc()
-                            self._live = None
-                        if output.disaggregated_params is not None and not output.finished:
-                            # A draining decode worker: where this request's KV waits for us.
-                            offer = _Handover(routed, request.rid, output.disaggregated_params)
-                            output = msgspec.structs.replace(output, disaggregated_params=None)
-                        generated.extend(output.token_ids)
-                        if output.finish_reason is not None:
-                            yield _final(output, original, generated)
-                            return
-                        if output.token_ids:
-                            yield output
-                raise StreamIncomplete("the engine stream ended without a finish reason")
-            except (RequestError, ActorError) as exc:
-                error = _typed(exc)
-                if self._live is not None:
-                    # The live migration failed before its first output (no room, transfer
-                    # failed, ...): the same migration goes on as a token replay.
-                    LIVE_MIGRATIONS.labels(opts.model, "fallback").inc()
-                    _log.info("live migration failed", rid=original.rid, error=error.code)
-                    self._release(self._live)
-                    self._live = None
-                    request = _continuation(original, generated, f"{request.rid}r")
+    def _finish(self, cancelled: bool) -> None:
+        """The request is over: free what it holds, then stop."""
+        if self._ended:
+            return
+        self._ended = True
+        if cancelled:
+            CANCELLATIONS.labels(self.options.model).inc()
+        self._end_attempt()
+        progress = self._progress
+        if progress is not None and progress.live is not None:
+            self._release(progress.live)
+            progress.live = None
+        self.stop()
+
+    def _end_attempt(self) -> None:
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None:
+            attempt.outputs.close()  # a no-op if it ended (or its consumer closed it)
+            self._done(attempt.routed)
+
+    async def _next(self, failed: Attempt | None, exc: BaseException | None) -> Attempt:
+        """The next attempt: the first (``failed`` is None), or a migration after ``failed``
+        ended with ``exc``. Raises the request's terminal error, and stops, if there is none."""
+        progress = self._progress
+        assert progress is not None and not self._ended
+        self._end_attempt()
+        routed = failed.routed if failed is not None else None
+        offer = failed.offer if failed is not None else None
+        request = failed.request if failed is not None else progress.original
+        error = None if exc is None else _typed(exc)
+        try:
+            while True:
+                if error is not None:
+                    request = self._migration(error, routed, offer, request)
+                routed = offer = None
+                try:
+                    routed, request = await self._route_request(request)
+                    outputs = routed.engine.stream(request, buffer=self.options.buffer)
+                except (RequestError, ActorError) as route_exc:
+                    if routed is not None:
+                        self._done(routed)
+                    error = _typed(route_exc)
                     continue
-                if offer is not None and generated:
-                    self._live = offer
-                elif offer is not None:
-                    self._release(offer)
-                if not error.migratable:
-                    raise error from None
-                refusal = _refuse_migration(original)
-                if refusal or migrations_left <= 0:
-                    if failed_at is not None:
-                        MIGRATION_SECONDS.labels(opts.model, migration_type, "failure").observe(
-                            time.monotonic() - failed_at
-                        )
-                    if refusal:
-                        _log.info("migration refused", rid=original.rid, reason=refusal)
-                        raise error from None
-                    raise MigrationExhausted(f"{error.code}: {error.message}") from None
-                migrations_left -= 1
-                migration_type = "ongoing_request" if generated else "new_request"
-                MIGRATIONS.labels(opts.model, migration_type).inc()
-                failed_at = time.monotonic()
-                if routed is not None and not isinstance(error, KVTransferError):
-                    # A transfer failure may be the prefill side's fault: keep the decode worker.
-                    # Only the worker that just failed: one left earlier may be serving again
-                    # (a rolling release hands a request over twice); the routing view already
-                    # skips workers that are dead, draining or unhealthy.
-                    excluded = [routed.worker_id]
-                _log.info(
-                    "migrating request",
-                    rid=original.rid,
-                    worker=routed.worker_id if routed else None,
-                    error=error.code,
-                    generated=len(generated),
+                opts = self.options
+                attempt = self._attempt = Attempt(
+                    routed,
+                    request,
+                    outputs,
+                    progress,
+                    model=opts.model,
+                    stall_timeout=opts.stall_timeout,
+                    request_timeout=opts.request_timeout,
                 )
-                rid = f"{original.rid}-m{opts.migration_limit - migrations_left}"
-                if self._live is not None:
-                    request = _continuation(original, generated[:-1], rid, self._live.bootstrap)
-                else:
-                    request = _continuation(original, generated, rid)
+                return attempt
+        except RequestError:
+            self._finish(cancelled=False)
+            raise
+
+    def _migration(
+        self,
+        error: RequestError,
+        routed: Routed | None,
+        offer: Handover | None,
+        request: PreprocessedRequest,
+    ) -> PreprocessedRequest:
+        """After ``error``, the request the next attempt sends (a continuation), or raise the
+        terminal error."""
+        progress = self._progress
+        assert progress is not None
+        opts = self.options
+        original, generated = progress.original, progress.generated
+        if progress.live is not None:
+            # The live migration failed before its first output (no room, transfer failed,
+            # ...): the same migration goes on as a token replay.
+            LIVE_MIGRATIONS.labels(opts.model, "fallback").inc()
+            _log.info("live migration failed", rid=original.rid, error=error.code)
+            self._release(progress.live)
+            progress.live = None
+            return _continuation(original, generated, f"{request.rid}r")
+        if offer is not None and generated:
+            progress.live = offer
+        elif offer is not None:
+            self._release(offer)
+        if not error.migratable:
+            raise error from None
+        refusal = _refuse_migration(original)
+        if refusal or self._migrations_left <= 0:
+            if progress.failed_at is not None:
+                MIGRATION_SECONDS.labels(opts.model, progress.migration_type, "failure").observe(
+                    time.monotonic() - progress.failed_at
+                )
+            if refusal:
+                _log.info("migration refused", rid=original.rid, reason=refusal)
+                raise error from None
+            raise MigrationExhausted(f"{error.code}: {error.message}") from None
+        self._migrations_left -= 1
+        progress.migration_type = "ongoing_request" if generated else "new_request"
+        MIGRATIONS.labels(opts.model, progress.migration_type).inc()
+        progress.failed_at = time.monotonic()
+        if routed is not None and not isinstance(error, KVTransferError):
+            # A transfer failure may be the prefill side's fault: keep the decode worker. Only
+            # the worker that just failed: one left earlier may be serving again (a rolling
+            # release hands a request over twice); the routing view already skips workers that
+            # are dead, draining or unhealthy.
+            self._excluded = (routed.worker_id,)
+        _log.info(
+            "migrating request",
+            rid=original.rid,
+            worker=routed.worker_id if routed else None,
+            error=error.code,
+            generated=len(generated),
+        )
+        rid = f"{original.rid}-m{opts.migration_limit - self._migrations_left}"
+        if progress.live is not None:
+            return _continuation(original, generated[:-1], rid, progress.live.bootstrap)
+        return _continuation(original, generated, rid)
+
+    async def _route_request(
+        self, request: PreprocessedRequest
+    ) -> tuple[Routed, PreprocessedRequest]:
+        """The worker for the next attempt, and the request to send it."""
+        progress = self._progress
+        assert progress is not None
+        if progress.live is not None:  # continue from the handed-over KV
+            routed: Routed = await self.router.ask(Route(request, self._excluded, role="decode"))
+            return routed, request
+        if self.options.disaggregated:
+            return await self._dispatch_prefill(request, self._excluded, progress.deadline)
+        route = Route(request, self._excluded)
+        retrying = progress.failed_at is not None
+        return await self._route(route, progress.deadline, retrying=retrying), request
 
     async def _route(self, route: Route, deadline: float, *, retrying: bool) -> Routed:
         """Ask the router; while migrating, wait (within the deadline) for a worker of the role to
@@ -281,32 +311,7 @@ class RequestStream(Actor):
         finally:
             self._done(routed)
 
-    async def _attempt(
-        self, routed: Routed, request: PreprocessedRequest, deadline: float
-    ) -> AsyncGenerator[EngineOutput, None]:
-        opts = self.options
-        async with routed.engine.stream(request, buffer=opts.buffer) as outputs:
-            try:
-                while True:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise RequestTimeout(f"request exceeded {opts.request_timeout} s")
-                    with anyio.move_on_after(min(opts.stall_timeout, left)) as scope:
-                        try:
-                            output = await outputs.receive()
-                        except StopAsyncIteration:
-                            return
-                    if scope.cancelled_caught:
-                        if left <= opts.stall_timeout:
-                            raise RequestTimeout(f"request exceeded {opts.request_timeout} s")
-                        raise StreamStalled(
-                            f"no output for {opts.stall_timeout} s from {routed.worker_id}"
-                        )
-                    yield output
-            finally:
-                self._done(routed)
-
-    def _release(self, offer: _Handover) -> None:
+    def _release(self, offer: Handover) -> None:
         """Tell the draining worker to free the KV it kept for us (once its room is terminal;
         a no-op if the new worker already took it). Fire and forget."""
         try:
@@ -337,23 +342,6 @@ def _refuse_migration(request: PreprocessedRequest) -> str | None:
     return None
 
 
-@attrs.frozen
-class _Handover:
-    """A draining decode worker's offer: request ``rid``'s KV, readable at ``bootstrap``."""
-
-    source: Routed
-    rid: str
-    bootstrap: BootstrapInfo
-
-
-def _drop_repeated(output: EngineOutput, generated: list[int]) -> EngineOutput:
-    """A live migration's first output, less the token it repeats (the newest before the hand-
-    over: its KV was not handed over, so the new worker computes it again)."""
-    if not output.token_ids or output.token_ids[0] != generated[-1]:
-        raise KVTransferError("the live-migrated request did not resume where it stopped")
-    return msgspec.structs.replace(output, token_ids=output.token_ids[1:])
-
-
 def _continuation(
     original: PreprocessedRequest,
     generated: list[int],
@@ -382,16 +370,3 @@ def _continuation(
         bootstrap_info=live,
         live_migration=live is not None,
     )
-
-
-def _final(
-    output: EngineOutput, original: PreprocessedRequest, generated: list[int]
-) -> EngineOutput:
-    """The terminal output, with usage counted against the client's own prompt."""
-    cached = output.usage.cached_tokens if output.usage is not None else None
-    usage = Usage(
-        prompt_tokens=len(original.token_ids),
-        completion_tokens=len(generated),
-        cached_tokens=cached,
-    )
-    return msgspec.structs.replace(output, usage=usage)

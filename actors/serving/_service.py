@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
-from anyio import WouldBlock
 from prometheus_client import CollectorRegistry
 
-from actors import ReplyStream
+from actors import ActorRef
 from actors.frontend import Backend, EndpointStatus, ModelInfo
 from actors.serving._admission import Admission
+from actors.serving._attempt import RequestOutputs
 from actors.serving._routing import RoutingTable
 from protocols.engine import EngineOutput, PreprocessedRequest
 from protocols.errors import ModelNotFound, NoWorkerAvailable
@@ -19,10 +20,11 @@ __all__ = ["ModelService"]
 
 
 class ModelService(Backend):
-    """Starts a request-stream actor per request and streams its outputs to the frontend.
+    """Starts a request-stream actor per request; the frontend reads the request's outputs in
+    its own task (see :class:`~actors.serving.RequestOutputs`).
 
-    Closing the stream (the client went away) cancels the request-stream actor's handler, which
-    closes the engine stream: the engine aborts the request and frees its KV.
+    Closing the outputs early (the client went away) closes the engine stream, so the engine
+    aborts the request and frees its KV, and tells the request-stream actor.
     """
 
     def __init__(
@@ -56,52 +58,24 @@ class ModelService(Backend):
         return None
 
 
-class _Outputs:
-    """One request's outputs: the replies of its request-stream actor, started on the first
-    ``__anext__``. ``next_nowait`` hands out replies already here (the frontend writes them
-    together); ``aclose`` (always called, see :class:`~actors.frontend.Backend`) closes the
-    reply stream, which cancels the actor's handler if it still runs, and counts the request
-    out of admission."""
+class _Outputs(RequestOutputs):
+    """One request's outputs, served by a request-stream actor started on the first
+    ``__anext__``; closing it (always done, see :class:`~actors.frontend.Backend`) ends the
+    request and counts it out of admission."""
 
-    __slots__ = ("_closed", "_request", "_service", "_stream")
+    __slots__ = ("_service",)
 
     def __init__(self, service: ModelService, request: PreprocessedRequest) -> None:
+        super().__init__(None, request)
         self._service = service
-        self._request = request
-        self._stream: ReplyStream[EngineOutput] | None = None
-        self._closed = False
 
-    def __aiter__(self) -> _Outputs:
-        return self
-
-    async def __anext__(self) -> EngineOutput:
-        stream = self._stream
-        if stream is None:
-            stream = self._stream = await self._open()
-        return await stream.__anext__()
-
-    async def _open(self) -> ReplyStream[EngineOutput]:
-        if self._closed:
-            raise StopAsyncIteration
+    async def start(self) -> ActorRef[Any]:
         ref = await self._service.streams.start_dynamic()
         if ref is None:
             raise NoWorkerAvailable("the request could not be started")
-        stream: ReplyStream[EngineOutput] = ref.stream(self._request)
-        return stream
+        return ref
 
-    def next_nowait(self) -> EngineOutput | None:
-        """An output that is already here, or ``None``."""
-        if self._stream is None:
-            return None
-        try:
-            return self._stream.receive_nowait()
-        except WouldBlock:
-            return None
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._stream is not None:
-            self._stream.close()
-        self._service.admission.leave()
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            self._service.admission.leave()

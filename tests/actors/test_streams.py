@@ -93,11 +93,31 @@ async def test_receive_nowait_takes_only_what_is_buffered() -> None:
                 replies.receive_nowait()  # the producer has not run yet
             assert await replies.receive() == 0
             await wait_until(lambda: ref._cell.runtime.actor.ended == ["done"])
+            assert replies.buffered == 2
             assert [replies.receive_nowait(), replies.receive_nowait()] == [1, 2]
+            assert replies.buffered == 0
             with pytest.raises(anyio.WouldBlock):
                 replies.receive_nowait()  # the end is for receive() to report
             with pytest.raises(StopAsyncIteration):
                 await replies.receive()
+
+
+async def test_timed_receive_times_out_and_the_stream_goes_on() -> None:
+    async with open_supervisor([await _producer()]) as sup:
+        ref = await sup.child("p")
+        async with ref.stream("one-then-hold") as replies:
+            assert await replies.receive(5.0) == "first"
+            with pytest.raises(TimeoutError):
+                await replies.receive(0.05)  # the handler holds: nothing comes
+            with pytest.raises(TimeoutError):
+                await replies.receive(0.05)  # a second deadline of the same length
+        await wait_until(lambda: ref._cell.runtime.actor.ended != [])
+    async with open_supervisor([await _producer()]) as sup:
+        ref = await sup.child("p")
+        async with ref.stream(2) as replies:
+            assert [await replies.receive(0.05) for _ in range(2)] == [0, 1]
+            with pytest.raises(StopAsyncIteration):
+                await replies.receive(0.05)  # the end, not a timeout
 
 
 async def test_slow_consumer_bounds_the_producer_lead() -> None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from actors.frontend import ByteTokenizer, HFTokenizer, create_app
 from actors.frontend._streams import aclose_quietly
 from protocols.engine import EngineOutput, PreprocessedRequest
+from protocols.errors import NoWorkerAvailable
 from tests.frontend._doubles import ANSWER, CONTEXT, MODEL, FakeBackend
 from tests.frontend._hf import build_tokenizer_folder
 from tests.frontend._http import CHAT, COMPLETIONS, chat_body, chunks
@@ -96,6 +97,18 @@ async def test_keep_alive_pings_come_after_the_status_line(backend: FakeBackend)
     assert ": ping" in r.text
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks(r.text))
     assert content == ANSWER
+
+
+async def test_keep_alive_pings_end_with_an_error_before_the_first_output(
+    backend: FakeBackend,
+) -> None:
+    backend.error_before = NoWorkerAvailable("none yet")
+    app = create_app(backend, CollectorRegistry(), ping_interval_s=0.01)
+    async with served(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
+        r = await client.post(CHAT, json=chat_body(stream=True))
+        assert r.status_code == 503  # the error keeps its status; no ping waits forever
+        backend.error_before = None
+        assert (await client.post(CHAT, json=chat_body(stream=True))).status_code == 200
 
 
 class _ReadyOutputs:

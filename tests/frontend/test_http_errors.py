@@ -334,3 +334,41 @@ async def test_server_serves_again_after_a_disconnect(base_url: str, backend: Fa
     backend.hang_after = None
     async with httpx.AsyncClient(base_url=base_url) as client:
         assert (await client.post(CHAT, json=chat_body(stream=True))).status_code == 200
+
+
+_EDGE_BODIES: list[tuple[str, bytes, dict[str, str]]] = [
+    (CHAT, json.dumps(chat_body()).encode(), {"content-type": "application/json"}),
+    (CHAT, json.dumps(chat_body(stream=True)).encode(), {"content-type": "application/json"}),
+    (CHAT, json.dumps(chat_body()).encode(), {"content-type": "application/json; charset=utf-8"}),
+    (CHAT, json.dumps(chat_body()).encode(), {"content-type": "text/plain"}),
+    (CHAT, json.dumps(chat_body()).encode(), {"content-type": "application/vnd.x+json"}),
+    (CHAT, json.dumps(chat_body()).encode(), {}),
+    (CHAT, b"", {"content-type": "application/json"}),
+    (CHAT, b"[1, 2]", {"content-type": "application/json"}),
+    (CHAT, b'{"model": "mock-model", "messages": NaN}', {"content-type": "application/json"}),
+    (CHAT, json.dumps(chat_body(temperature="0.5")).encode(), {"content-type": "application/json"}),
+    (COMPLETIONS, b"{bad", {"content-type": "application/json"}),
+    (COMPLETIONS, b'{"model": "mock-model", "prompt": "hi", "max_tokens": 4}', {}),
+    (COMPLETIONS, json.dumps({"model": "mock-model", "prompt": "x" * 3000}).encode(), {}),
+]
+
+
+async def test_direct_path_answers_exactly_as_fastapi(backend: FakeBackend) -> None:
+    """Generation requests that the direct path serves, and those it hands to FastAPI, get the
+    same answers as with FastAPI alone (status, type, body)."""
+
+    async def answers(direct: bool) -> list[tuple[int, str, str]]:
+        app = create_app(backend, CollectorRegistry(), max_body_bytes=2048)
+        if not direct:
+            app.fast_path = None  # type: ignore[attr-defined]
+        got = []
+        async with served(app) as url, httpx.AsyncClient(base_url=url) as client:
+            for path, body, headers in _EDGE_BODIES:
+                r = await client.post(path, content=body, headers=headers)
+                text = r.text
+                for field in ('"id":', '"created":'):  # per-request values
+                    text = "".join(part.split(",", 1)[-1] for part in text.split(field))
+                got.append((r.status_code, r.headers.get("content-type", ""), text))
+        return got
+
+    assert await answers(direct=True) == await answers(direct=False)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import json
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.frontend import ByteTokenizer
+from actors.frontend._chunks import ChatRenderer, CompletionRenderer, _ChatChunkChoice, _ChatDelta
 from actors.frontend._pipeline import Choice, StopMatcher
 from protocols.engine import EngineOutput, Usage
 from protocols.errors import EngineFailure, RequestCancelled
@@ -105,3 +108,34 @@ def test_engine_error_and_server_abort_raise_typed_errors() -> None:
         _choice().on_output(EngineOutput(finish_reason="error", error="boom"))
     with pytest.raises(RequestCancelled):
         _choice().on_output(EngineOutput(finish_reason="cancelled"))
+
+
+@given(st.text(), st.sampled_from([None, "stop", "length"]), st.booleans())
+def test_delta_frames_are_the_chunk_encoded_whole(
+    text: str, finish: str | None, include_usage: bool
+) -> None:
+    """A delta's frame (from the renderer's template when it can) has the bytes of its whole
+    chunk encoded at once."""
+    for renderer in (
+        CompletionRenderer("cmpl-1", 'mo"del\x00', 7, include_usage=include_usage),
+        ChatRenderer("chatcmpl-1", "m\x00", 7, include_usage=include_usage),
+    ):
+        frame = renderer.delta(text, finish)
+        assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+        chunk = json.loads(frame[6:])
+        choice = chunk["choices"][0]
+        assert choice["finish_reason"] == finish
+        got = choice["text"] if "text" in choice else choice["delta"].get("content", "")
+        assert got == text
+        assert ("usage" in chunk) == include_usage
+        whole = (
+            renderer._frame_of(text, finish)
+            if isinstance(renderer, CompletionRenderer)
+            else renderer._chunk(_chat_choice(text, finish))
+        )
+        assert frame == whole
+
+
+def _chat_choice(text: str, finish: str | None) -> Any:
+    delta = _ChatDelta(content=text) if text else _ChatDelta()
+    return _ChatChunkChoice(0, delta, None, finish)

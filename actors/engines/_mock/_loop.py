@@ -189,13 +189,19 @@ class LoopMixin:
                 if time.perf_counter() - last_yield >= budget:
                     self._wake_readers()
                     self.publish_metrics()
-                    await anyio.lowlevel.checkpoint()
                     last_yield = time.perf_counter()
                 elif self._urgent:
                     # First or last tokens were handed to their (already woken) readers: let
                     # them run now; the other readers keep collecting tokens.
                     self._urgent = False
-                    await anyio.lowlevel.checkpoint()
+                else:
+                    continue
+                # Two turns: one for the readers, one for what they pass the tokens on to (a
+                # process actor's link sends a stream's batch the turn after its producer
+                # yields); with one, the steps run meanwhile would hold a first token back for
+                # up to instant_yield_s.
+                await anyio.lowlevel.checkpoint()
+                await anyio.lowlevel.checkpoint()
                 continue
             now = anyio.current_time()
             clock = self._clock
