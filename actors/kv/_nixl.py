@@ -18,7 +18,7 @@ consecutive descriptors, each posted and progressed by one of those threads, and
 sends its notification, from the agent's own worker) once every chunk has. On one host UCX moves
 host memory with ``process_vm_writev`` in the posting thread, a copy one thread cannot run at
 memcpy speed; several threads can. Idle pool threads block; a thread polls only while it owns a
-chunk. Smaller transfers take the agent's own worker as before.
+chunk. Smaller transfers are posted by the calling thread on the agent's own worker.
 """
 
 from __future__ import annotations

@@ -280,10 +280,13 @@ async def probe_peer(
     timeout: float,
 ) -> bool:
     """READ a few bytes of the peer's pool into ``scratch``: wires up the UCX lanes and the
-    remote key, so the first request's WRITE does not pay for it (tens of ms). Reading leaves
+    remote key, so the first request's WRITE does not pay for it (tens of ms). With posting
+    threads the READ is split over them, so that their workers are wired up too. Reading leaves
     the peer's memory untouched. Returns whether the probe completed."""
     size = int(scratch[0, 1])
     remote_desc = np.array([[remote.base_addr, size, remote.device_id]], dtype=np.uint64)
+    copies = max(1, agent.num_threads * SPLIT_BATCH)  # the same bytes, once per piece
+    scratch, remote_desc = np.repeat(scratch[:1], copies, 0), np.repeat(remote_desc, copies, 0)
     try:
         handle, state = agent.post(
             "READ", scratch, scratch_mem.mem_type, remote_desc, remote.mem_type, remote_agent
