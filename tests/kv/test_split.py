@@ -10,7 +10,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from actors.kv import RoomState, new_room
+from actors.kv import RoomState, TransferAborted, new_room
 from actors.kv._bootstrap import pack_pages
 from actors.kv._nixl import SPLIT_BATCH
 from actors.kv._peer import (
@@ -97,8 +97,9 @@ async def test_split_writes_are_byte_exact_and_notified_once(ipc_dir: str) -> No
             await assert_peer_clean(proc)
 
 
-async def test_decode_killed_during_a_split_write(ipc_dir: str) -> None:
-    # 16 MiB pools: the WRITE lasts long enough for the kill to land in it, most of the time.
+async def test_split_write_aborted_or_decode_killed_mid_way(ipc_dir: str) -> None:
+    # 16 MiB pools, so that the abort or the kill may land in a WRITE (the race is real: the
+    # WRITE often wins it, and then its room is done; every outcome must leave things clean).
     pages, page_bytes = 256, 64 * 1024
     config = dataclasses.replace(CONFIG, split_min_bytes=SPLIT)
 
@@ -116,6 +117,32 @@ async def test_decode_killed_during_a_split_write(ipc_dir: str) -> None:
         async with local_prefill(
             threads=2, config=config, num_pages=pages, page_bytes=page_bytes
         ) as kv:
+            async with decode("c0") as proc:
+                # Prefill aborts once the WRITE is posted: send returns only when no chunk
+                # writes any more, and decode hears of the abort only then.
+                await proc.call(Connect(endpoint=kv.endpoint))
+                out: list[Outcome] = []
+                with kv.open_room() as room, kv.pool.alloc(pages) as alloc:
+                    fill_pattern(kv.pool, alloc.pages, 11)
+
+                    async def abort_once_posted() -> None:
+                        while room.state == RoomState.REQUESTED:
+                            await anyio.lowlevel.checkpoint()
+                        room.abort()  # a no-op if the WRITE is already done
+
+                    async with anyio.create_task_group() as tg:
+                        args = (proc, kv.endpoint, room.room, pages, 11, out)
+                        tg.start_soon(receive_in_child, *args)
+                        await room.wait_requested(10)
+                        tg.start_soon(abort_once_posted)
+                        try:
+                            await room.send(alloc)
+                        except TransferAborted:
+                            pass
+                        assert kv.agent.statistics().xfers_live == 0
+                assert out[0].ok or out[0].code == "kv.transfer_aborted"
+                await assert_peer_clean(proc)
+
             async with decode("c1") as proc:
                 await proc.call(Connect(endpoint=kv.endpoint))
                 room = kv.open_room()
@@ -154,7 +181,7 @@ async def test_decode_killed_during_a_split_write(ipc_dir: str) -> None:
             # The threads survived it: the next decode gets a split WRITE, byte-exact.
             async with decode("c2") as proc:
                 await proc.call(Connect(endpoint=kv.endpoint))
-                out: list[Outcome] = []
+                out = []
                 with kv.open_room() as room, kv.pool.alloc(pages) as alloc:
                     fill_pattern(kv.pool, alloc.pages, 13)
                     async with anyio.create_task_group() as tg:
