@@ -53,12 +53,12 @@ __all__ = [
 XferState = Literal["DONE", "PROC", "ERR"]
 
 _CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+_api: ModuleType | None = None
 
 SPLIT_BATCH = 4
 """With posting threads, the fewest descriptors a transfer needs to be split (UCX's
 ``split_batch_size``), and the descriptors each chunk of a split takes: above 1, so that a
 one-descriptor transfer never pays a thread hop."""
-_api: ModuleType | None = None
 
 
 class NixlError(RuntimeError):

@@ -104,7 +104,7 @@ def coalesce(
     )
 
 
-_SPLIT_ALIGN = 4096  # cut points fall on (4 KiB) page boundaries: no page is copied in two parts
+_SPLIT_ALIGN = 4096  # pieces are whole 4 KiB blocks of their run (but for a run's last one)
 
 
 def split_pieces(nbytes: int, threads: int, min_bytes: int) -> int:
@@ -252,7 +252,8 @@ def yield_cpu() -> None:
 
 
 async def _settle(agent: NixlAgent, handle: XferHandle, timeout: float) -> None:
-    """Release ``handle``; an active transfer NIXL cannot cancel is polled to its end first."""
+    """Release ``handle``; an active transfer NIXL cannot cancel is polled to its end first, and
+    with posting threads any transfer is (within ``timeout``)."""
     deadline = time.monotonic() + timeout
     if agent.num_threads:
         # A chunk may be copying in a posting thread: releasing cancels its requests, not a
