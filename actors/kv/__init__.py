@@ -17,8 +17,10 @@ Failures are :mod:`protocols.errors` types: :class:`~protocols.errors.KVTransfer
 Prefill worker (one service per worker, for its lifetime)::
 
     pool = KVPool.from_buffer(engine_kv_buffer, page_bytes)   # or KVPool.allocate(...)
-    agent = NixlAgent(prefix="prefill-0")                     # after CUDA is initialised
-    async with PrefillKV(agent, pool, endpoint="tcp://127.0.0.1:0") as kv:
+    config = KVConfig()                                       # timeouts, posting threads
+    threads = config.agent_threads(pool.mem_type)             # host memory: split big WRITEs
+    agent = NixlAgent(prefix="prefill-0", num_threads=threads)  # after CUDA is initialised
+    async with PrefillKV(agent, pool, endpoint="tcp://127.0.0.1:0", config=config) as kv:
         ...
         with kv.open_room(room) as r:          # register first,
             publish(r.bootstrap)               # then hand out (host, port, room)

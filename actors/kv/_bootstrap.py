@@ -16,9 +16,12 @@ import numpy as np
 import numpy.typing as npt
 
 from protocols.engine import BootstrapInfo
-from protocols.kv import ROOM_BITS
+from protocols.kv import ROOM_BITS, MemoryKind
+
+THREADS_ENV = "ACTORSERVE_KV_THREADS"
 
 __all__ = [
+    "THREADS_ENV",
     "KVConfig",
     "bootstrap_endpoint",
     "bootstrap_info",
@@ -56,6 +59,16 @@ class KVConfig:
     ``prepared_dlists``: prepare the descriptor lists of the local pool and of each peer's pool
     once (when the peers meet) and build each WRITE from page indices; otherwise every WRITE
     builds and validates its descriptor lists from scratch.
+    ``transfer_threads``: posting threads of the NIXL agent a prefill service WRITEs from
+    (:meth:`agent_threads`; pass it to :class:`~actors.kv.NixlAgent`). On one host UCX copies
+    host memory with ``process_vm_writev`` in the posting thread, below memcpy speed from one
+    thread and above it from four, so a large WRITE is split over the threads. ``None``: the
+    ``ACTORSERVE_KV_THREADS`` environment variable if set, else ``min(4, cores // 4)`` (none
+    under 2) for host memory; never for GPU memory (its copies are the copy engines' work, and
+    they already reach the link's speed from one thread). An explicit value applies to both.
+    ``split_min_bytes``: a WRITE is split only in chunks of at least this many bytes, one per
+    thread (a smaller one takes the agent's own worker, without a thread hop): from 4 MiB by
+    default (a chunk's thread hop costs tens of microseconds, its 2 MiB copy hundreds).
     """
 
     heartbeat_interval: float = 0.25
@@ -70,10 +83,35 @@ class KVConfig:
     yield_cpu: bool | None = None
     prepared_dlists: bool = True
     verify: bool = True
+    transfer_threads: int | None = None
+    split_min_bytes: int = 2 << 20
 
     def __post_init__(self) -> None:
         if self.peer_timeout <= self.heartbeat_interval:
             raise ValueError("peer_timeout must exceed heartbeat_interval")
+        if self.transfer_threads is not None and self.transfer_threads < 0:
+            raise ValueError("transfer_threads must be >= 0")
+        if self.split_min_bytes <= 0:
+            raise ValueError("split_min_bytes must be positive")
+
+    def agent_threads(self, mem_type: MemoryKind) -> int:
+        """Posting threads for a sending agent over a pool of ``mem_type``: see
+        ``transfer_threads``."""
+        if self.transfer_threads is not None:
+            return self.transfer_threads
+        if mem_type != "DRAM":
+            return 0
+        env = os.environ.get(THREADS_ENV)
+        if env:
+            try:
+                threads = int(env)
+            except ValueError:
+                raise ValueError(f"{THREADS_ENV}={env!r} is not an integer") from None
+            if threads < 0:
+                raise ValueError(f"{THREADS_ENV}={env!r} is negative")
+            return threads
+        threads = min(4, (os.cpu_count() or 1) // 4)
+        return threads if threads >= 2 else 0
 
     @property
     def yields(self) -> bool:

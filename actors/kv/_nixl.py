@@ -10,6 +10,15 @@ thread busy-spins (every transfer then takes ~12 ms) and on GPUs it makes transf
 The initiator therefore polls :meth:`NixlAgent.state` and the target polls
 :meth:`NixlAgent.get_notifs`; both calls drive UCX progress. An agent is not thread-safe (no
 listener thread, sync mode NONE): use it from one thread, the event loop's.
+
+``num_threads`` > 0 gives the UCX backend a pool of posting threads (NIXL's
+``nixlUcxThreadPoolEngine``), each with its own UCX worker: a transfer of at least
+:data:`SPLIT_BATCH` descriptors is cut into chunks of ``max(n // num_threads, SPLIT_BATCH)``
+consecutive descriptors, each posted and progressed by one of those threads, and completes (and
+sends its notification, from the agent's own worker) once every chunk has. On one host UCX moves
+host memory with ``process_vm_writev`` in the posting thread, a copy one thread cannot run at
+memcpy speed; several threads can. Idle pool threads block; a thread polls only while it owns a
+chunk. Smaller transfers are posted by the calling thread on the agent's own worker.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import numpy.typing as npt
 from protocols.kv import MemoryKind
 
 __all__ = [
+    "SPLIT_BATCH",
     "AgentStatistics",
     "DlistHandle",
     "NixlAgent",
@@ -44,6 +54,11 @@ XferState = Literal["DONE", "PROC", "ERR"]
 
 _CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 _api: ModuleType | None = None
+
+SPLIT_BATCH = 4
+"""With posting threads, the fewest descriptors a transfer needs to be split (UCX's
+``split_batch_size``), and the descriptors each chunk of a split takes: above 1, so that a
+one-descriptor transfer never pays a thread hop."""
 
 
 class NixlError(RuntimeError):
@@ -103,6 +118,7 @@ class AgentStatistics:
     xfers_posted: int
     dlists_live: int
     remote_agents_replaced: int
+    num_threads: int
 
 
 class Registration:
@@ -145,22 +161,28 @@ class NixlAgent:
 
     ``name`` must be unique among the agents that will meet; by default it is derived from
     ``prefix``, the pid and a random suffix. ``incarnation`` is random per agent: peers use it to
-    tell a restarted agent from the one they knew, even under the same name.
+    tell a restarted agent from the one they knew, even under the same name. ``num_threads``:
+    the UCX backend's posting threads (see the module's docstring; 0: none).
     """
 
     def __init__(self, name: str | None = None, *, prefix: str = "kv", num_threads: int = 0):
+        if num_threads < 0:
+            raise ValueError("num_threads must be >= 0")
         api = load_nixl()
         self.incarnation: int = secrets.randbits(63)
         self.name: str = name or f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.num_threads = num_threads
+        """Posting threads of the UCX backend (0: the agent's own worker posts everything)."""
         config = api.nixl_agent_config(
-            enable_prog_thread=False,
-            enable_listen_thread=False,
-            num_threads=num_threads,
-            backends=["UCX"],
+            enable_prog_thread=False, enable_listen_thread=False, backends=[]
         )
         self._agent: Any = _call(
             f"creating NIXL agent {self.name!r}", api.nixl_agent, self.name, config
         )
+        params = {}
+        if num_threads:
+            params = {"num_threads": str(num_threads), "split_batch_size": str(SPLIT_BATCH)}
+        _call("creating the UCX backend", self._agent.create_backend, "UCX", params)
         self._registrations: set[Registration] = set()
         self._remotes: set[str] = set()
         self._xfers: set[XferHandle] = set()
@@ -403,6 +425,7 @@ class NixlAgent:
             dlists_live=len(self._dlists),
             xfers_posted=self._posted,
             remote_agents_replaced=self._replaced,
+            num_threads=self.num_threads,
         )
 
     @property

@@ -162,10 +162,11 @@ async def _child_main(args: argparse.Namespace) -> None:
         heartbeat_interval=args.heartbeat,
         peer_timeout=args.peer_timeout,
         poll_while_pending=args.poll_while_pending,
+        split_min_bytes=args.split_min_bytes,
     )
     # The pool first: on a GPU it creates the CUDA context UCX's CUDA transports look for.
     pool = KVPool.allocate(args.pages, args.page_bytes, device=args.device)
-    with NixlAgent(args.agent_name, prefix=args.role) as agent:
+    with NixlAgent(args.agent_name, prefix=args.role, num_threads=args.threads) as agent:
         kv: PrefillKV | DecodeKV
         if args.role == "prefill":
             kv = PrefillKV(
@@ -228,6 +229,8 @@ def _main() -> None:
     parser.add_argument("--heartbeat", type=float, default=0.1)
     parser.add_argument("--peer-timeout", type=float, default=1.0)
     parser.add_argument("--poll-while-pending", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="the agent's posting threads")
+    parser.add_argument("--split-min-bytes", type=int, default=KVConfig().split_min_bytes)
     args = parser.parse_args()
     anyio.run(_child_main, args)
 

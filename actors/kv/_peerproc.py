@@ -56,8 +56,11 @@ class PeerProcess:
         heartbeat: float = 0.1,
         peer_timeout: float = 1.0,
         poll_while_pending: bool = False,
+        threads: int = 0,
+        split_min_bytes: int | None = None,
     ) -> AsyncIterator[PeerProcess]:
-        """Run a peer; on exit stop it (gracefully, else SIGKILL) and reap it."""
+        """Run a peer; on exit stop it (gracefully, else SIGKILL) and reap it. ``threads`` and
+        ``split_min_bytes``: its agent's posting threads and its ``KVConfig`` value."""
         cmd = [sys.executable, "-m", "actors.kv._peer", "--role", role, "--control", control]
         cmd += ["--pages", str(num_pages), "--page-bytes", str(page_bytes), "--device", device]
         cmd += ["--bootstrap", bootstrap, "--heartbeat", str(heartbeat)]
@@ -68,6 +71,9 @@ class PeerProcess:
             cmd += ["--agent-name", agent_name]
         if poll_while_pending:
             cmd += ["--poll-while-pending"]
+        cmd += ["--threads", str(threads)]
+        if split_min_bytes is not None:
+            cmd += ["--split-min-bytes", str(split_min_bytes)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         process = await anyio.open_process(
             cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env

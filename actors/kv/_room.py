@@ -15,7 +15,14 @@ from actors.kv._bootstrap import bootstrap_info
 from actors.kv._checksum import page_checksums
 from actors.kv._nixl import DlistHandle, XferHandle, XferState
 from actors.kv._pool import PageAllocation, as_page_array
-from actors.kv._transfer import TransferAborted, coalesce, count_runs, write_pages
+from actors.kv._transfer import (
+    TransferAborted,
+    coalesce,
+    count_runs,
+    split,
+    split_pieces,
+    write_pages,
+)
 from protocols.engine import BootstrapInfo
 from protocols.errors import KVTransferError, RequestError
 from protocols.kv import KVMemoryDesc, TransferNotification, Writing, encode_notification
@@ -196,8 +203,9 @@ class PrefillRoom:
         self, local: npt.NDArray[np.int64], req: TransferRequestRecord
     ) -> tuple[Callable[[], tuple[XferHandle, XferState]], int, int]:
         """How to post this room's WRITE: from the prepared page lists (page indices; NIXL merges
-        consecutive pages), or from freshly coalesced descriptors. Raises ``ValueError`` for
-        page lists that do not fit."""
+        consecutive pages), or from freshly coalesced descriptors, cut into pieces when the
+        agent's posting threads need more descriptors than the runs give. Raises
+        ``ValueError`` for page lists that do not fit."""
         kv = self._kv
         mine, theirs = kv.pool.memory_desc(), req.peer.memory
         if local.size != req.pages.size:
@@ -209,15 +217,18 @@ class PrefillRoom:
         nbytes = int(local.size) * mine.page_bytes
         local_list = kv._links.local if kv._links is not None else None
         agent, remote_list = kv.agent, req.peer.dlist
-        if local_list is not None and remote_list is not None:
+        runs = count_runs(local, req.pages)
+        pieces = split_pieces(nbytes, agent.num_threads, kv.config.split_min_bytes)
+        if local_list is not None and remote_list is not None and runs >= pieces:
             lidx = local.astype(np.int32)
             ridx = req.pages.astype(np.int32)
 
             def start_prepped() -> tuple[XferHandle, XferState]:
                 return agent.post_prepped(local_list, lidx, remote_list, ridx, self._notif)
 
-            return start_prepped, nbytes, count_runs(local, req.pages)
-        descs = coalesce(local, mine, req.pages, theirs)
+            return start_prepped, nbytes, runs
+        # Too few runs for the agent's posting threads: cut them (prepared lists are per page).
+        descs = split(coalesce(local, mine, req.pages, theirs), pieces)
 
         def start_raw() -> tuple[XferHandle, XferState]:
             return agent.post(

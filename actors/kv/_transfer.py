@@ -1,9 +1,14 @@
-"""Moving pages: descriptor coalescing and one WRITE driven to a terminal state.
+"""Moving pages: descriptor coalescing and splitting, and one WRITE driven to a terminal state.
 
 Each NIXL descriptor costs a few microseconds (2.5-4.3 us measured on H200s; a 32 KiB page then
 moves at 9 GB/s, a 2 MiB run at 267), so pages that are consecutive on *both* sides are merged
 into one descriptor before the transfer is created: a request laid out contiguously in both pools
 is a single descriptor and moves at copy speed.
+
+An agent with posting threads (:class:`~actors.kv._nixl.NixlAgent` ``num_threads``) splits a
+transfer by descriptor count, so a large one is cut back up (:func:`split`) into as many
+near-equal descriptors as gives each thread one chunk of :data:`~actors.kv._nixl.SPLIT_BATCH`
+descriptors (:func:`split_pieces`).
 
 :func:`write_pages` posts the WRITE (its notification rides on it: NIXL delivers it after the
 data) and polls the initiator's transfer state, spinning (yielding to other tasks) for a short
@@ -14,6 +19,7 @@ or reuse the pages afterwards.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +29,7 @@ import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 
-from actors.kv._nixl import NixlAgent, NixlError, XferHandle, XferState
+from actors.kv._nixl import SPLIT_BATCH, NixlAgent, NixlError, XferHandle, XferState
 from protocols.errors import KVTransferError
 from protocols.kv import KVMemoryDesc
 
@@ -34,6 +40,8 @@ __all__ = [
     "count_runs",
     "page_table",
     "probe_peer",
+    "split",
+    "split_pieces",
     "write_pages",
     "yield_cpu",
 ]
@@ -94,6 +102,55 @@ def coalesce(
         remote=table(remote_pages, remote),
         nbytes=n * local.page_bytes,
     )
+
+
+_SPLIT_ALIGN = 4096  # pieces are whole 4 KiB blocks of their run (but for a run's last one)
+
+
+def split_pieces(nbytes: int, threads: int, min_bytes: int) -> int:
+    """How many descriptors a WRITE of ``nbytes`` should have for an agent with ``threads``
+    posting threads, when each thread's chunk must carry ``min_bytes`` or more: one chunk of
+    ``SPLIT_BATCH`` descriptors per thread used, or 0 when it is not worth splitting."""
+    chunks = min(threads, nbytes // max(1, min_bytes))
+    return chunks * SPLIT_BATCH if chunks >= 2 else 0
+
+
+def split(descs: Descriptors, pieces: int) -> Descriptors:
+    """Cut the runs of ``descs`` into about ``pieces`` descriptors of near-equal size.
+
+    Each run is cut into a share of the pieces in proportion to its length (the longest pieces
+    are cut first), at 4 KiB boundaries. Lists that already have ``pieces`` descriptors or more
+    are returned as they are: NIXL's threads split them by count.
+    """
+    count = descs.count
+    if count >= pieces:
+        return descs
+    lengths = [int(n) for n in descs.local[:, 1]]
+    cuts = [1] * count
+    limit = [max(1, n // _SPLIT_ALIGN) for n in lengths]
+    heap = [(-float(n), i) for i, n in enumerate(lengths) if limit[i] > 1]
+    heapq.heapify(heap)
+    for _ in range(pieces - count):
+        if not heap:
+            break
+        _, i = heapq.heappop(heap)
+        cuts[i] += 1
+        if cuts[i] < limit[i]:
+            heapq.heappush(heap, (-lengths[i] / cuts[i], i))
+    total = sum(cuts)
+    local = np.empty((total, 3), dtype=np.uint64)
+    remote = np.empty((total, 3), dtype=np.uint64)
+    row = 0
+    for i, (n, k) in enumerate(zip(lengths, cuts, strict=True)):
+        bounds = [j * n // k // _SPLIT_ALIGN * _SPLIT_ALIGN for j in range(k)] + [n]
+        offsets = np.array(bounds[:-1], dtype=np.uint64)
+        sizes = np.diff(np.array(bounds, dtype=np.uint64))
+        for out, src in ((local, descs.local), (remote, descs.remote)):
+            out[row : row + k, 0] = src[i, 0] + offsets
+            out[row : row + k, 1] = sizes
+            out[row : row + k, 2] = src[i, 2]
+        row += k
+    return Descriptors(local=local, remote=remote, nbytes=descs.nbytes)
 
 
 async def write_pages(
@@ -195,8 +252,16 @@ def yield_cpu() -> None:
 
 
 async def _settle(agent: NixlAgent, handle: XferHandle, timeout: float) -> None:
-    """Release ``handle``; an active transfer NIXL cannot cancel is polled to its end first."""
+    """Release ``handle``; an active transfer NIXL cannot cancel is polled to its end first, and
+    with posting threads any transfer is (within ``timeout``)."""
     deadline = time.monotonic() + timeout
+    if agent.num_threads:
+        # A chunk may be copying in a posting thread: releasing cancels its requests, not a
+        # copy under way, which would go on writing after we return. Let the chunks end.
+        while time.monotonic() < deadline:
+            if agent.state(handle) != "PROC":
+                break
+            await anyio.sleep(0.0005)
     while not agent.release(handle):
         if time.monotonic() > deadline:
             # The handle stays in the agent's live count: a visible leak rather than a reuse
@@ -216,10 +281,13 @@ async def probe_peer(
     timeout: float,
 ) -> bool:
     """READ a few bytes of the peer's pool into ``scratch``: wires up the UCX lanes and the
-    remote key, so the first request's WRITE does not pay for it (tens of ms). Reading leaves
+    remote key, so the first request's WRITE does not pay for it (tens of ms). With posting
+    threads the READ is split over them, so that their workers are wired up too. Reading leaves
     the peer's memory untouched. Returns whether the probe completed."""
     size = int(scratch[0, 1])
     remote_desc = np.array([[remote.base_addr, size, remote.device_id]], dtype=np.uint64)
+    copies = max(1, agent.num_threads * SPLIT_BATCH)  # the same bytes, once per piece
+    scratch, remote_desc = np.repeat(scratch[:1], copies, 0), np.repeat(remote_desc, copies, 0)
     try:
         handle, state = agent.post(
             "READ", scratch, scratch_mem.mem_type, remote_desc, remote.mem_type, remote_agent

@@ -120,10 +120,12 @@ class KVBridge:
         self._handovers: dict[str, PrefillRoom] = {}
 
     async def __aenter__(self) -> KVBridge:
-        from actors.kv import DecodeKV, NixlAgent, PrefillKV
+        from actors.kv import DecodeKV, KVConfig, NixlAgent, PrefillKV
 
         pool = self.pool = self.transfer.pool()
-        agent = NixlAgent(f"{self.role}-{self.worker_id}-{os.getpid()}")
+        # Only a sending agent posts WRITEs: it alone gets posting threads.
+        threads = KVConfig().agent_threads(pool.mem_type) if self.role == "prefill" else 0
+        agent = NixlAgent(f"{self.role}-{self.worker_id}-{os.getpid()}", num_threads=threads)
         self._stack.callback(agent.close)
         self._stack.callback(pool.close)  # LIFO: deregistered while the agent is still open
         if self.role == "prefill":
@@ -141,10 +143,11 @@ class KVBridge:
         return self
 
     async def _open_source(self, transfer: HandOver) -> None:
-        from actors.kv import NixlAgent, PrefillKV
+        from actors.kv import KVConfig, NixlAgent, PrefillKV
 
         pool = transfer.source_pool()
-        agent = NixlAgent(f"handover-{self.worker_id}-{os.getpid()}")
+        threads = KVConfig().agent_threads(pool.mem_type)
+        agent = NixlAgent(f"handover-{self.worker_id}-{os.getpid()}", num_threads=threads)
         self._stack.callback(agent.close)
         self._stack.callback(pool.close)
         path = self._endpoint("kvh")

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 
 from actors.kv import DecodeKV, KVConfig, KVPool, NixlAgent, PrefillKV
-from actors.kv._peer import Outcome, PeerProcess, Stats
+from actors.kv._peer import Outcome, PeerProcess, Receive, Stats
 
 PAGE_BYTES = 4096
 NUM_PAGES = 512
@@ -40,10 +40,12 @@ async def local_decode(**kwargs: Any) -> AsyncIterator[DecodeKV]:
 
 
 @asynccontextmanager
-async def local_prefill(**kwargs: Any) -> AsyncIterator[PrefillKV]:
-    """A prefill KV service in this process."""
-    agent = NixlAgent(prefix="test-prefill")
-    pool = KVPool.allocate(NUM_PAGES, PAGE_BYTES, device="cpu")
+async def local_prefill(
+    *, threads: int = 0, num_pages: int = NUM_PAGES, page_bytes: int = PAGE_BYTES, **kwargs: Any
+) -> AsyncIterator[PrefillKV]:
+    """A prefill KV service in this process (its agent with ``threads`` posting threads)."""
+    agent = NixlAgent(prefix="test-prefill", num_threads=threads)
+    pool = KVPool.allocate(num_pages, page_bytes, device="cpu")
     try:
         kwargs.setdefault("config", CONFIG)
         async with PrefillKV(agent, pool, **kwargs) as kv:
@@ -73,6 +75,26 @@ async def peer(
 
 async def peer_stats(proc: PeerProcess) -> dict[str, dict[str, Any]]:
     return (await proc.call(Stats())).info
+
+
+async def assert_peer_clean(proc: PeerProcess) -> None:
+    """The peer holds no page, allocation or transfer handle."""
+    info = await peer_stats(proc)
+    assert info["pool"]["pages_in_use"] == 0
+    assert info["pool"]["allocations_live"] == 0
+    assert info["agent"]["xfers_live"] == 0
+
+
+async def receive_in_child(
+    proc: PeerProcess, endpoint: str, room: int, n: int, seed: int, out: list[Outcome]
+) -> None:
+    """Have a decode peer receive ``room`` of prefill ``endpoint`` into ``n`` fresh pages (bytes
+    checked against the pattern of ``seed``); its outcome goes to ``out``."""
+    from actors.kv import bootstrap_info
+
+    out.append(
+        await proc.call(Receive(bootstrap=bootstrap_info(endpoint, room), num_pages=n, seed=seed))
+    )
 
 
 async def eventually(check: Any, timeout: float = 10.0) -> None:

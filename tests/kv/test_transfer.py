@@ -16,9 +16,7 @@ from actors.kv._bootstrap import pack_pages
 from actors.kv._peer import (
     Connect,
     Outcome,
-    PeerProcess,
     Prefill,
-    Receive,
     Release,
     WaitRoom,
     bootstrap_for,
@@ -30,19 +28,14 @@ from tests.kv.helpers import (
     NUM_PAGES,
     PAGE_BYTES,
     PEER_TIMEOUT,
+    assert_peer_clean,
     eventually,
     local_decode,
     local_prefill,
     peer,
     peer_stats,
+    receive_in_child,
 )
-
-
-async def _assert_peer_clean(proc: PeerProcess) -> None:
-    info = await peer_stats(proc)
-    assert info["pool"]["pages_in_use"] == 0
-    assert info["pool"]["allocations_live"] == 0
-    assert info["agent"]["xfers_live"] == 0
 
 
 async def test_pages_move_byte_exact_contiguous_scattered_and_concurrent(ipc_dir: str) -> None:
@@ -107,7 +100,7 @@ async def test_pages_move_byte_exact_contiguous_scattered_and_concurrent(ipc_dir
             assert stats.lazy_connects == 0 and stats.pages_quarantined == 0
             assert pool.statistics().pages_in_use == 0
             assert kv.agent.statistics().xfers_live == 0
-            await _assert_peer_clean(proc)
+            await assert_peer_clean(proc)
             info = await peer_stats(proc)
             assert info["kv"]["open_rooms"] == 0 and info["kv"]["rooms_done"] == 26
             assert info["agent"]["remote_agents"] == 1
@@ -152,7 +145,7 @@ async def test_corrupted_page_and_cancelled_receive(ipc_dir: str) -> None:
             with kv.pool.alloc(16) as alloc:
                 assert (await kv.receive(bootstrap_for(ready, room), alloc)).verified
             assert kv.pool.statistics().pages_in_use == 0
-            await _assert_peer_clean(proc)
+            await assert_peer_clean(proc)
             assert (await peer_stats(proc))["kv"]["open_rooms"] == 0
 
 
@@ -197,18 +190,8 @@ async def test_prefill_killed_then_restarted_on_same_address(ipc_dir: str) -> No
                     got = await kv.receive(bootstrap_for(ready, room), alloc)
                     assert got.verified
                 assert kv.statistics().prefill_restarts_seen == 1
-                await _assert_peer_clean(proc)
+                await assert_peer_clean(proc)
             assert kv.pool.statistics().pages_in_use == 0
-
-
-async def _receive_in_child(
-    proc: PeerProcess, endpoint: str, room: int, n: int, seed: int, out: list[Outcome]
-) -> None:
-    from actors.kv import bootstrap_info
-
-    out.append(
-        await proc.call(Receive(bootstrap=bootstrap_info(endpoint, room), num_pages=n, seed=seed))
-    )
 
 
 async def test_decode_killed_mid_transfer_prefill_frees_pages(ipc_dir: str) -> None:
@@ -221,7 +204,7 @@ async def test_decode_killed_mid_transfer_prefill_frees_pages(ipc_dir: str) -> N
                 alloc = kv.pool.alloc(64)
                 fill_pattern(kv.pool, alloc.pages, 8)
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(_receive_in_child, proc, kv.endpoint, room.room, 64, 8, [])
+                    tg.start_soon(receive_in_child, proc, kv.endpoint, room.room, 64, 8, [])
                     await room.wait_requested(10)
                     proc.kill()
                     await proc.process.wait()  # really gone (SIGKILL is asynchronous)
@@ -250,7 +233,7 @@ async def test_decode_killed_mid_transfer_prefill_frees_pages(ipc_dir: str) -> N
                         ended.set()
 
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(_receive_in_child, proc, kv.endpoint, room.room, 256, 9, [])
+                    tg.start_soon(receive_in_child, proc, kv.endpoint, room.room, 256, 9, [])
                     await room.wait_requested(10)
                     os.kill(proc.pid, signal.SIGSTOP)
                     tg.start_soon(send)
@@ -291,7 +274,7 @@ async def test_decode_restarted_on_same_worker_id_and_agent_name(ipc_dir: str) -
                         out: list[Outcome] = []
                         async with anyio.create_task_group() as tg:
                             tg.start_soon(
-                                _receive_in_child, proc, kv.endpoint, room.room, 16, 10 + life, out
+                                receive_in_child, proc, kv.endpoint, room.room, 16, 10 + life, out
                             )
                             result = await room.send(alloc)
                         assert out[0].ok and result.descriptors == 1
@@ -301,12 +284,12 @@ async def test_decode_restarted_on_same_worker_id_and_agent_name(ipc_dir: str) -
                             out = []
                             async with anyio.create_task_group() as tg:
                                 tg.start_soon(
-                                    _receive_in_child, proc, kv.endpoint, room.room, 8, 0, out
+                                    receive_in_child, proc, kv.endpoint, room.room, 8, 0, out
                                 )
                                 await room.wait_requested(10)
                                 room.abort("engine aborted the request")
                             assert out[0].code == "kv.transfer_aborted"
-                        await _assert_peer_clean(proc)
+                        await assert_peer_clean(proc)
                         proc.kill()  # no Goodbye: the stale peer stays until replaced
             assert kv.statistics().peers_replaced == 1
             assert kv.pool.statistics().pages_in_use == 0

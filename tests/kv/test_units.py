@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import msgspec
 import numpy as np
 import pytest
 import torch
 
 from actors.kv import (
+    Descriptors,
+    KVConfig,
     KVPool,
     KVPoolExhausted,
     NixlAgent,
@@ -17,7 +22,10 @@ from actors.kv import (
     coalesce,
     page_checksums,
 )
+from actors.kv._bootstrap import THREADS_ENV
+from actors.kv._nixl import SPLIT_BATCH
 from actors.kv._peer import pattern_pages
+from actors.kv._transfer import split, split_pieces
 from protocols.kv import (
     Hello,
     KVMemoryDesc,
@@ -103,6 +111,114 @@ def test_coalesce_merges_runs_consecutive_on_both_sides() -> None:
         coalesce(np.arange(3), local, np.arange(4), remote)
     with pytest.raises(ValueError):
         coalesce(np.array([64]), local, np.array([0]), remote)
+
+
+def test_split_cuts_runs_into_near_equal_aligned_pieces_that_cover_them() -> None:
+    page = 1 << 20
+    local = KVMemoryDesc(
+        mem_type="DRAM", device_id=0, base_addr=1 << 30, num_pages=64, page_bytes=page
+    )
+    remote = KVMemoryDesc(
+        mem_type="DRAM", device_id=0, base_addr=1 << 34, num_pages=64, page_bytes=page
+    )
+
+    def pieces_cover(whole: Descriptors, cut: Descriptors) -> None:
+        assert int(cut.local[:, 1].sum()) == whole.nbytes == cut.nbytes
+        assert np.array_equal(cut.local[:, 1], cut.remote[:, 1])
+        assert not (cut.local[:, :2] % 4096).any() and not (cut.remote[:, 1] % 4096).any()
+        # In order: each run's pieces follow each other on both sides, and end where it ends.
+        ends = set(
+            zip(
+                whole.local[:, 0] + whole.local[:, 1],
+                whole.remote[:, 0] + whole.remote[:, 1],
+                strict=True,
+            )
+        )
+        for (la, ln, _), (ra, _, _), nxt_l, nxt_r in zip(
+            cut.local[:-1], cut.remote[:-1], cut.local[1:, 0], cut.remote[1:, 0], strict=True
+        ):
+            assert (la + ln == nxt_l and ra + ln == nxt_r) or (la + ln, ra + ln) in ends
+
+    one = coalesce(np.arange(10), local, np.arange(20, 30), remote)
+    cut = split(one, 16)
+    pieces_cover(one, cut)
+    assert cut.count == 16 and cut.local[:, 1].max() - cut.local[:, 1].min() <= 4096
+    lp = np.array([0, 1, 2, 3, 4, 5, 6, 7, 40, 50])  # runs of 8, 1 and 1 pages
+    mixed = coalesce(lp, local, np.arange(10), remote)
+    cut = split(mixed, 16)
+    pieces_cover(mixed, cut)
+    assert cut.count == 16 and cut.local[:, 1].max() <= 1.1 * mixed.nbytes / 16  # longest cut
+    assert split(mixed, 3) is mixed  # runs enough already: NIXL cuts by count
+    tiny = KVMemoryDesc(mem_type="DRAM", device_id=0, base_addr=0, num_pages=8, page_bytes=4096)
+    small = coalesce(np.arange(2), tiny, np.arange(2), tiny)
+    assert split(small, 8).count == 2  # never below 4 KiB a piece
+    assert split_pieces(16 << 20, 4, 1 << 20) == 4 * SPLIT_BATCH
+    assert split_pieces(3 << 20, 4, 1 << 20) == 3 * SPLIT_BATCH
+    assert split_pieces(1 << 20, 4, 1 << 20) == 0  # one chunk: not worth a thread hop
+    assert split_pieces(64 << 20, 0, 1 << 20) == split_pieces(64 << 20, 1, 1 << 20) == 0
+
+
+def test_posting_threads_by_memory_cores_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert KVConfig().agent_threads("DRAM") == 4 and KVConfig().agent_threads("VRAM") == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert KVConfig().agent_threads("DRAM") == 0  # one thread would only add a hop
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert KVConfig().agent_threads("DRAM") == 3 and KVConfig().agent_threads("VRAM") == 0
+    assert KVConfig(transfer_threads=2).agent_threads("VRAM") == 2  # explicit: any memory
+    monkeypatch.setenv(THREADS_ENV, "many")
+    with pytest.raises(ValueError, match=THREADS_ENV):
+        KVConfig().agent_threads("DRAM")
+    with pytest.raises(ValueError):
+        KVConfig(transfer_threads=-1)
+    with pytest.raises(ValueError):
+        NixlAgent(num_threads=-1)
+
+
+def _thread_cpu_s(tids: set[str]) -> float:
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_posting_threads_split_a_write_and_sleep_when_idle() -> None:
+    before = set(os.listdir("/proc/self/task"))
+    src = np.arange(8 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with NixlAgent(prefix="sender", num_threads=4) as a, NixlAgent(prefix="target") as b:
+        threads = set(os.listdir("/proc/self/task")) - before
+        assert len(threads) >= 4 and a.statistics().num_threads == 4
+        a.register(int(src.ctypes.data), src.nbytes, "DRAM", 0)
+        b.register(int(dst.ctypes.data), dst.nbytes, "DRAM", 0)
+        a.add_remote(b.metadata(), b.name)
+        b.add_remote(a.metadata(), a.name)
+        whole = Descriptors(
+            local=np.array([[src.ctypes.data, src.nbytes, 0]], dtype=np.uint64),
+            remote=np.array([[dst.ctypes.data, dst.nbytes, 0]], dtype=np.uint64),
+            nbytes=src.nbytes,
+        )
+        descs = split(whole, 4 * SPLIT_BATCH)
+        handle, state = a.post("WRITE", descs.local, "DRAM", descs.remote, "DRAM", b.name, b"done")
+        notifs: list[bytes] = []
+        for _ in range(100_000):
+            if state != "PROC" and notifs:
+                break
+            state = a.state(handle) if state == "PROC" else state
+            notifs += b.get_notifs().get(a.name, [])
+        assert state == "DONE" and notifs == [b"done"] and np.array_equal(src, dst)
+        assert a.release(handle)
+        # Idle now: the posting threads block, they do not poll.
+        used = _thread_cpu_s(threads)
+        time.sleep(0.5)
+        assert _thread_cpu_s(threads) - used < 0.1
+    assert a.statistics().xfers_live == 0
 
 
 def test_checksums_agree_across_numpy_and_torch_and_catch_flips_and_swaps() -> None:
