@@ -135,8 +135,8 @@ async def test_a_live_migration_whose_peers_never_arrive_still_starts() -> None:
         await target.wait_transfer_target(late.rid)  # its KV never comes
         assert target.complete_transfer(first.rid)
         with anyio.fail_after(10):
-            await _until_token(stream)
-            assert len(tokens_of(await _until_token(stream))) == 1
+            await _until_token(stream)  # the newest token again
+            await _until_token(stream)  # decoding goes on
         await late_stream.aclose()
         await stream.aclose()
         for rid in ("r0", "r1", "r2"):
