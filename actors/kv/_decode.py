@@ -166,9 +166,10 @@ class DecodeKV:
         includes prefill's compute time. With ``expected_checksums`` the pages are checked
         against the engine's own expectation, else against the checksums prefill sent.
         ``verify`` overrides the configured verification for this room (``False`` skips the
-        checksums on both sides). ``meanwhile`` is called once the page list is on its way:
-        work that can overlap the transfer (the engine working out what to verify against). On
-        any error (and on cancellation) ``pages`` pass to the service: see the module doc.
+        checksums on both sides). ``meanwhile`` is called once the page list is on its way and
+        the tasks ready then had their turn: work that can overlap the transfer (the engine
+        working out what to verify against). On any error (and on cancellation) ``pages`` pass
+        to the service: see the module doc.
         """
         verify = self.config.verify if verify is None else verify
         if pages.pool is not self.pool or pages.freed:
@@ -192,6 +193,7 @@ class DecodeKV:
             pending.sent = True
             conn.send(msg)
             if meanwhile is not None:
+                await anyio.lowlevel.checkpoint()  # what is ready goes first (more page lists)
                 meanwhile()
             with anyio.move_on_after(self.config.receive_timeout if timeout is None else timeout):
                 await pending.done.wait()
