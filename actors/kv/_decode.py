@@ -158,7 +158,6 @@ class DecodeKV:
         expected_checksums: ExpectedChecksums | None = None,
         timeout: float | None = None,
         verify: bool | None = None,
-        meanwhile: Callable[[], object] | None = None,
     ) -> ReceivedKV:
         """Receive room ``bootstrap.room`` from its prefill worker into ``pages`` (of this pool).
 
@@ -166,10 +165,8 @@ class DecodeKV:
         includes prefill's compute time. With ``expected_checksums`` the pages are checked
         against the engine's own expectation, else against the checksums prefill sent.
         ``verify`` overrides the configured verification for this room (``False`` skips the
-        checksums on both sides). ``meanwhile`` is called once the page list is on its way and
-        the tasks ready then had their turn: work that can overlap the transfer (the engine
-        working out what to verify against). On any error (and on cancellation) ``pages`` pass
-        to the service: see the module doc.
+        checksums on both sides). On any error (and on cancellation) ``pages`` pass to the
+        service: see the module doc.
         """
         verify = self.config.verify if verify is None else verify
         if pages.pool is not self.pool or pages.freed:
@@ -192,9 +189,6 @@ class DecodeKV:
             msg = TransferRequest(room=room, pages=pack_pages(pages.pages), want_checksums=verify)
             pending.sent = True
             conn.send(msg)
-            if meanwhile is not None:
-                await anyio.lowlevel.checkpoint()  # what is ready goes first (more page lists)
-                meanwhile()
             with anyio.move_on_after(self.config.receive_timeout if timeout is None else timeout):
                 await pending.done.wait()
             if pending.error is not None:

@@ -56,10 +56,9 @@ def needs_transfer(request: PreprocessedRequest) -> bool:
     return info is not None and info.host != FAKE_BOOTSTRAP_HOST
 
 
-Receive = Callable[["PageAllocation", bool, Callable[[], object] | None], Awaitable["ReceivedKV"]]
-"""``receive(pages, verify, meanwhile)``: the request's room into ``pages`` of the bridge's pool
-(see :meth:`actors.kv.DecodeKV.receive`: ``meanwhile`` runs while the KV is on its way; on any
-error the pages pass to the transfer service)."""
+Receive = Callable[["PageAllocation", bool], Awaitable["ReceivedKV"]]
+"""``receive(pages, verify)``: the request's room into ``pages`` of the bridge's pool (see
+:meth:`actors.kv.DecodeKV.receive`: on any error the pages pass to the transfer service)."""
 
 
 class EngineTransfer(Protocol):
@@ -243,12 +242,8 @@ class KVBridge:
         bootstrap = request.bootstrap_info
         assert bootstrap is not None
 
-        async def receive(
-            pages: PageAllocation, verify: bool, meanwhile: Callable[[], object] | None
-        ) -> ReceivedKV:
-            got: ReceivedKV = await self.service.receive(
-                bootstrap, pages, verify=verify, meanwhile=meanwhile
-            )
+        async def receive(pages: PageAllocation, verify: bool) -> ReceivedKV:
+            got: ReceivedKV = await self.service.receive(bootstrap, pages, verify=verify)
             return got
 
         outputs = self.transfer.decode(request, receive)
@@ -328,9 +323,8 @@ class MockTransfer:
             target = await engine.wait_transfer_target(rid)
             pages = self._pool.alloc_exact(list(target.block_ids))
             try:
-                # The engine verifies the pages itself (complete_transfer): no checksums needed;
-                # what it compares them with is worked out while they are on their way.
-                await receive(pages, False, lambda: engine.expect_transfer(rid))
+                # The engine verifies the pages itself (complete_transfer): no checksums needed.
+                await receive(pages, False)
             except KVTransferError as exc:
                 engine.fail_transfer(rid, str(exc))
                 raise

@@ -120,7 +120,7 @@ class HFTransfer:
         engine.check(request)
         stage = await self._alloc(len(request.token_ids))
         try:
-            received = await receive(stage, True, None)
+            received = await receive(stage, True)
         except RequestError:
             raise  # the pages now belong to the transfer service
         except ValueError as exc:

@@ -72,10 +72,7 @@ async def test_hand_over_lets_the_step_in_flight_deliver_its_tokens() -> None:
             stream = target.generate(live)
             kv = pages[f"r{i}"]
             assert kv is not None
-            target_pages = await target.wait_transfer_target(live.rid)
-            if i % 2:
-                target.expect_transfer(live.rid)  # worked out while the KV is on its way
-            _copy(source, kv, target, target_pages)
+            _copy(source, kv, target, await target.wait_transfer_target(live.rid))
             assert target.complete_transfer(live.rid)
             source.release_transfer(f"r{i}")
             rest = tokens_of(await collect(stream))

@@ -278,31 +278,20 @@ class KvPageMemory:
             return bool(np.array_equal(self._pages[block_id], self._expected(hash_)))
         return bool(np.array_equal(self.read(block_id), page_content(hash_, self.block_bytes)))
 
-    def expected(self, hashes: Sequence[int]) -> U64Array | None:
-        """What the pages of ``hashes`` must hold, as ``(pages, rows, 8)`` words; ``None`` for
-        device memory (it is verified page by page)."""
+    def bad_pages(self, block_ids: Sequence[int], hashes: Sequence[int]) -> list[int]:
+        """Indices ``i`` whose block ``block_ids[i]`` does not hold the page ``hashes[i]``.
+
+        On the host, one vectorised comparison: a live migration verifies a whole context
+        (64 pages for 4k tokens) per request on the receiving engine's event loop."""
         if self._pages is None:
-            return None
+            return [i for i, h in enumerate(hashes) if not self.verify(block_ids[i], h)]
         digests = b"".join(
             hashlib.blake2b((h & _MASK).to_bytes(8, "little"), digest_size=64).digest()
             for h in hashes
         )
         base = np.frombuffer(digests, dtype=np.uint64).reshape(len(hashes), 1, _ROW_WORDS)
-        return base ^ self._rows[None, :, None]
-
-    def bad_pages(
-        self, block_ids: Sequence[int], hashes: Sequence[int], expected: U64Array | None = None
-    ) -> list[int]:
-        """Indices ``i`` whose block ``block_ids[i]`` does not hold the page ``hashes[i]``.
-
-        On the host, one vectorised comparison (against ``expected``, if :meth:`expected` was
-        worked out beforehand): a live migration verifies a whole context (64 pages for 4k
-        tokens) per request on the receiving engine's event loop."""
-        if self._pages is None:
-            return [i for i, h in enumerate(hashes) if not self.verify(block_ids[i], h)]
-        want = self.expected(hashes) if expected is None else expected
         got = self._pages[np.asarray(block_ids[: len(hashes)], dtype=np.intp)]
-        wrong = (got != want).any(axis=(1, 2))
+        wrong = (got != (base ^ self._rows[None, :, None])).any(axis=(1, 2))
         return [int(i) for i in np.flatnonzero(wrong)]
 
     def checksum(self, block_id: int) -> int:

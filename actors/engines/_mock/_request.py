@@ -8,15 +8,12 @@ several tokens at once (SGLang's incremental streaming) instead of one wake-up p
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol, Self
+from typing import Protocol, Self
 
 import anyio
 
 from protocols.engine import BootstrapInfo, EngineOutput, FinishReason, PreprocessedRequest, Usage
 from protocols.errors import RequestError
-
-if TYPE_CHECKING:
-    from actors.engines._mock._transfer import Expectation
 
 __all__ = ["EngineStream", "MockRequest", "Phase", "StreamHost"]
 
@@ -41,7 +38,6 @@ class MockRequest:
         "delivered",
         "disagg_params",
         "error",
-        "expected",
         "finish_reason",
         "hashes",
         "kv_len",
@@ -97,7 +93,6 @@ class MockRequest:
         self.error: RequestError | None = None
         self.waiter: anyio.Event | None = None
         self.transfer_ready: anyio.Event | None = None
-        self.expected: Expectation | None = None  # decode: what the transfer must deliver
         self.deadline = 0.0
 
     @property

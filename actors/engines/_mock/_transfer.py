@@ -33,7 +33,6 @@ request, admitted at once or failed (``KVTransferError``), never queued.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -41,10 +40,10 @@ import numpy as np
 from actors.engines._mock._kvmem import KvPageMemory, prompt_page_hashes
 from actors.engines._mock._request import MockRequest, Phase
 from actors.engines._mock._scheduler import RankScheduler
-from actors.engines._mock._tokens import TokenModel, U64Array
+from actors.engines._mock._tokens import TokenModel
 from protocols.errors import KVCorrupted, KVTransferError
 
-__all__ = ["Expectation", "KvPages", "TransferMixin"]
+__all__ = ["KvPages", "TransferMixin"]
 
 
 class KvPages(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,15 +60,6 @@ class KvPages(msgspec.Struct, frozen=True, kw_only=True):
     def byte_offsets(self) -> list[int]:
         """Byte offset of each page within its rank's KV buffer."""
         return [b * self.block_bytes for b in self.block_ids]
-
-
-@dataclass(frozen=True, slots=True)
-class Expectation:
-    """What a prompt's transferred pages must hold, worked out from its tokens."""
-
-    hashes: list[int]  # chained page hashes, the trailing partial page included
-    content: U64Array | None  # KvPageMemory.expected(hashes)
-    prefix: int  # TokenModel.prefix_hash(tokens)
 
 
 class TransferMixin:
@@ -111,19 +101,6 @@ class TransferMixin:
             raise KVTransferError(f"{rid}: the request ended before its KV arrived")
         return self._pages(req)
 
-    def expect_transfer(self, rid: str) -> None:
-        """Decode side, while the pages are on their way: work out what they must hold (from
-        the prompt's tokens), so that :meth:`complete_transfer` only compares (optional)."""
-        req = self._find(rid)
-        if req is not None and req.phase is Phase.AWAITING_KV:
-            req.expected = self._expectation(req)
-
-    def _expectation(self, req: MockRequest) -> Expectation:
-        tokens = np.array(req.seq[: req.prompt_len], dtype=np.int64)  # converted once
-        hashes = prompt_page_hashes(tokens, self._ranks[req.rank].cfg.block_size)
-        content = self._memories[req.rank].expected(hashes)
-        return Expectation(hashes, content, self._tokens.prefix_hash(tokens))
-
     def complete_transfer(self, rid: str) -> bool:
         """Decode side: the pages are written; verify them and continue decoding.
 
@@ -134,9 +111,10 @@ class TransferMixin:
             raise KVTransferError(f"{rid}: not waiting for KV (phase {req.phase.value})")
         sched, memory = self._ranks[req.rank], self._memories[req.rank]
         bs = sched.cfg.block_size
-        expected, req.expected = req.expected or self._expectation(req), None
-        hashes = expected.hashes
-        bad = memory.bad_pages(req.blocks, hashes, expected.content)
+        prompt = req.seq[: req.prompt_len]
+        tokens = np.array(prompt, dtype=np.int64)  # converted once: a context may be 4k+ long
+        hashes = prompt_page_hashes(tokens, bs)
+        bad = memory.bad_pages(req.blocks, hashes)
         if bad:
             error = KVCorrupted(
                 f"{rid}: {len(bad)} of {len(hashes)} KV pages failed verification "
@@ -146,14 +124,14 @@ class TransferMixin:
             return False
         full = req.prompt_len // bs
         req.hashes = hashes[:full]
-        sched.pool.register_pages(req.blocks[:full], req.hashes, req.seq)
+        sched.pool.register_pages(req.blocks[:full], req.hashes, prompt)
         req.kv_len = req.prompt_len
         sched.kv_received_tokens += req.prompt_len
         req.bootstrap = None  # from now on a retraction re-prefills locally
         if req.ngen >= req.max_new:
             sched.end(req, "length")
             return True
-        h = expected.prefix
+        h = self._tokens.prefix_hash(tokens)
         regular, eos = self._tokens.next_token(h, req.seed_word)
         token, reason = sched.decide(req, regular, eos, req.ngen)
         sched.start_decoding(req, h, token, reason)
