@@ -92,10 +92,11 @@ class Drain:
     never with a ``cancelled`` finish.
 
     With ``live`` (and not ``shutdown``), a decode worker that can hand its KV over keeps each
-    decoding request's pages and ends its stream with one more output whose
-    ``disaggregated_params`` name a room of its KV bootstrap endpoint: the next decode worker
-    reads the KV from there and continues without a prefill (live migration). Requests it
-    cannot hand over that way are aborted for token replay."""
+    decoding request's pages (all at its engine's next step boundary: a step in flight delivers
+    its tokens first) and ends its stream with one more output whose ``disaggregated_params``
+    name a room of its KV bootstrap endpoint: the next decode worker reads the KV from there and
+    continues without a prefill (live migration). Requests it cannot hand over that way are
+    aborted for token replay."""
 
     handover: bool = True
     shutdown: bool = False  # end handed-over streams with EngineShutdown instead

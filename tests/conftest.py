@@ -33,6 +33,7 @@ atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 def _temp_files() -> set[str]:
     return {name for name in os.listdir(_TMP) if not name.startswith("pytest-of-")}
 
+
 # Every test has a watchdog: a hang fails its test instead of stalling the whole run.
 __all__ = ["_timetrap"]
 

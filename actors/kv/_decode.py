@@ -206,12 +206,14 @@ class DecodeKV:
             msg = TransferRequest(room=room, pages=pack_pages(pages.pages), want_checksums=verify)
             pending.sent = True
             conn.send(msg)
+            self._progress()
             with anyio.move_on_after(self.config.receive_timeout if timeout is None else timeout):
                 await pending.done.wait()
             if pending.error is not None:
                 raise pending.error
             if pending.notif is None:
                 raise KVTransferError(f"room {room}: no KV from {endpoint} in time")
+            self._progress()  # for the rooms still coming, before the caller's work on this one
             sent = np.frombuffer(pending.notif.checksums, dtype="<u8").astype(np.uint64)
             aux = pending.notif.aux
             verified = verify and self._verify(room, pages, sent, expected_checksums)
@@ -316,6 +318,16 @@ class DecodeKV:
         if self._poke is not None:
             self._poke.set()
 
+    def _progress(self) -> None:
+        """Drive NIXL once: UCX progress for the WRITEs coming in, and their notifications.
+
+        Besides the poller, each receive calls it as it sends its page list and as its KV has
+        arrived: a burst of rooms (live migrations) is a burst of work on this event loop, and
+        the WRITEs still in flight must not wait for the poller's turn after all of it."""
+        for sender, msgs in self.agent.get_notifs().items():
+            for raw in msgs:
+                self._dispatch(sender, raw)
+
     async def _poll_notifications(self) -> None:
         """Poll NIXL notifications: hard while a WRITE is announced (or, with
         ``poll_while_pending``, while any room is pending), gently otherwise.
@@ -327,9 +339,7 @@ class DecodeKV:
         cfg = self.config
         spin_until = 0.0
         while True:
-            for sender, msgs in self.agent.get_notifs().items():
-                for raw in msgs:
-                    self._dispatch(sender, raw)
+            self._progress()
             writing = any(c.writing for c in self._conns.values())
             if cfg.poll_while_pending and self._pending:
                 if cfg.yields:

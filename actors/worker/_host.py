@@ -13,7 +13,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
 import msgspec
 
 from actors import Actor, ExitReason, ReplyError
@@ -234,19 +233,20 @@ class EngineHost(Actor):
             else WorkerDraining("the worker is draining")
         )
         assert self.engine is not None
-        bridge = self.bridge if live else None
-        for rid in list(self._running):
-            if rid in self._handed_over or rid not in self._running:
-                continue  # a drain again (already on its way out), or it finished meanwhile
-            offer = bridge.hand_over(rid) if bridge is not None else None
+        # A drain again finds some already on their way out.
+        rids = [rid for rid in self._running if rid not in self._handed_over]
+        if live and self.bridge is not None:
+            # Every decoding request at one step boundary of the engine (one that ended
+            # meanwhile is left out); the offers are recorded before any stream sees its end.
+            offers = await self.bridge.hand_over(rids)
+        else:
+            offers = dict.fromkeys(rids)
+        for rid, offer in offers.items():
             self._handed_over[rid] = (error, offer)
             self._handovers["replay" if offer is None else "live"] += 1
+        for rid, offer in offers.items():
             if offer is None:
                 await self.engine.abort(rid)
-            else:
-                # Let its stream publish the offer now: the next worker starts pulling this
-                # request's KV while the others are handed over (one by one, each costs time).
-                await anyio.lowlevel.checkpoint()
 
     def _outputs(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         assert self.engine is not None

@@ -20,9 +20,10 @@ Live migration (a drain): a decode worker whose transfer can :class:`HandOver` a
 :class:`~actors.kv.PrefillKV` over its own pages, under a second NIXL agent (one agent cannot be
 both a decode peer and a prefill peer of the same worker: each side loads and drops its peers'
 agents on its own, and prefill's housekeeping would take decode's notifications). On a drain,
-:meth:`KVBridge.hand_over` stops a decoding request, opens a room there and publishes it; the
-next decode worker receives the KV through its ordinary decode path, so the transfer, the page
-ownership rules and the verification are the prefill -> decode ones.
+:meth:`KVBridge.hand_over` stops the decoding requests at one step boundary, opens a room for
+each there and publishes them; the next decode worker receives the KV through its ordinary decode
+path, so the transfer, the page ownership rules and the verification are the prefill -> decode
+ones.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
@@ -90,9 +91,10 @@ class HandOver(Protocol):
         """The pages of :meth:`EngineTransfer.pool` again, for the hand-over side's own agent."""
         ...
 
-    def hand_over(self, rid: str) -> list[int] | None:
-        """Stop decoding ``rid`` and hold its KV: its pages (every token but the newest), or
-        ``None`` when it cannot be handed over (it is not decoding)."""
+    async def hand_over(self, rids: Sequence[str]) -> dict[str, list[int] | None]:
+        """Stop decoding ``rids`` (at the engine's next step boundary, all together) and hold
+        their KV: each one's pages (every token but the newest), or ``None`` when it cannot be
+        handed over (it is not decoding); a request that ended meanwhile is left out."""
         ...
 
     def release(self, rid: str) -> None:
@@ -185,21 +187,28 @@ class KVBridge:
     def handovers_open(self) -> int:
         return len(self._handovers)
 
-    def hand_over(self, rid: str) -> BootstrapInfo | None:
-        """Decode, a drain: stop decoding ``rid`` and offer its KV in a fresh room of the
-        source endpoint, opened before its triple is returned (the next decode worker's
-        ``bootstrap_info``). ``None`` when it cannot be handed over: abort it for a replay."""
+    async def hand_over(self, rids: Sequence[str]) -> dict[str, BootstrapInfo | None]:
+        """Decode, a drain: stop decoding ``rids`` and offer each one's KV in a fresh room of
+        the source endpoint (its triple is the next decode worker's ``bootstrap_info``).
+
+        The engine lets go of them all at one step boundary; nothing is awaited after that, so
+        the rooms are open, their senders started and the caller has the offers before any of
+        their streams can see its end. ``None`` for a request that cannot be handed over (abort
+        it for a replay; every one on a worker that cannot hand over); a request that ended
+        meanwhile is left out."""
         transfer, source, senders = self.transfer, self.source, self._senders
         if source is None or senders is None or not isinstance(transfer, HandOver):
-            return None
-        pages = transfer.hand_over(rid)
-        if pages is None:
-            return None
-        room = source.open_room()
-        self._handovers[rid] = room
-        senders.start_soon(self._send, rid, room, pages, name=f"hand over {rid}")
-        bootstrap: BootstrapInfo = room.bootstrap
-        return bootstrap
+            return dict.fromkeys(rids)
+        offers: dict[str, BootstrapInfo | None] = {}
+        for rid, pages in (await transfer.hand_over(rids)).items():
+            if pages is None:
+                offers[rid] = None
+                continue
+            room = source.open_room()
+            self._handovers[rid] = room
+            senders.start_soon(self._send, rid, room, pages, name=f"hand over {rid}")
+            offers[rid] = room.bootstrap
+        return offers
 
     def abort_handover(self, rid: str) -> bool:
         """Give up the hand-over of ``rid`` (its request went elsewhere): ``False`` if there is
@@ -289,11 +298,11 @@ class MockTransfer:
         memory = self.engine.kv_memory(0)
         return KVPool.from_buffer(self.engine.kv_buffer(0), memory.block_bytes)
 
-    def hand_over(self, rid: str) -> list[int] | None:
+    async def hand_over(self, rids: Sequence[str]) -> dict[str, list[int] | None]:
         if self.engine.config.dp_size != 1:
-            return None  # the bridge moves rank 0's pages only
-        pages = self.engine.hand_over(rid)
-        return None if pages is None else list(pages.block_ids)
+            return dict.fromkeys(rids)  # the bridge moves rank 0's pages only
+        handed = await self.engine.hand_over(rids)
+        return {rid: None if p is None else list(p.block_ids) for rid, p in handed.items()}
 
     def release(self, rid: str) -> None:
         self.engine.release_transfer(rid)

@@ -84,6 +84,28 @@ def test_pool_prefix_matching_lru_eviction_and_statistics() -> None:
     assert pool.take_events() == []
 
 
+def test_pool_registers_a_chain_as_one_event_per_run() -> None:
+    tokens = list(range(12))
+    hashes = [200 + i for i in range(6)]
+    chained, paged = BlockPool(16, 2), BlockPool(16, 2)
+    for pool in (chained, paged):
+        other = pool.allocate(1)
+        assert other is not None and pool.register(other[0], 202, 201, [4, 5])  # cached already
+        pool.take_events()
+    blocks = [4, 5, 6, 7, 8, 9]
+    chained.register_pages(blocks, hashes, tokens)
+    for p, (block, h) in enumerate(zip(blocks, hashes, strict=True)):
+        paged.register(block, h, hashes[p - 1] if p else None, tokens[2 * p : 2 * p + 2])
+    events = chained.take_events()
+    assert events == paged.take_events()
+    assert [e.block_hashes for e in events if isinstance(e, BlockStored)] == [
+        [200, 201],
+        [203, 204, 205],  # page 2 stays private: its hash is cached in another block
+    ]
+    assert chained.cached_hashes() == paged.cached_hashes() == {*hashes}
+    assert chained.block_hash(6) is None and chained.block_hash(7) == 203
+
+
 def test_page_hashes_chain_and_content() -> None:
     tokens = list(range(37))
     hashes = prompt_page_hashes(tokens, 16)
@@ -91,6 +113,7 @@ def test_page_hashes_chain_and_content() -> None:
     assert hashes[0] == page_hash(None, tokens[:16])
     assert hashes[1] == page_hash(hashes[0], tokens[16:32])
     assert hashes[2] == page_hash(hashes[1], tokens[32:])
+    assert prompt_page_hashes(np.array(tokens, dtype=np.int64), 16) == hashes
     assert page_hash(None, [1, 2]) != page_hash(None, [2, 1])
     assert -(2**63) <= hashes[0] < 2**63
     content = page_content(hashes[0], 256)

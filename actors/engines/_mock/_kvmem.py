@@ -49,6 +49,7 @@ _NVIDIA_PATHS = (
 )
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
+_blake2b = hashlib.blake2b
 
 
 def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -60,16 +61,22 @@ def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
 
 
 def prompt_page_hashes(
-    tokens: Sequence[int], block_size: int, *, partial: bool = True
+    tokens: Sequence[int] | npt.NDArray[np.int64], block_size: int, *, partial: bool = True
 ) -> list[int]:
-    """Chained hashes of every page of ``tokens``: full pages, then the partial tail if any."""
-    hashes: list[int] = []
-    parent: int | None = None
+    """Chained hashes of every page of ``tokens``: full pages, then the partial tail if any.
+
+    The same as :func:`page_hash` page after page, with the tokens converted once (an int64
+    array is used as is): a live migration hashes a whole context on the receiving engine."""
     n = len(tokens)
-    end = n if partial else n - n % block_size
-    for start in range(0, end, block_size):
-        parent = page_hash(parent, tokens[start : min(start + block_size, n)])
-        hashes.append(parent)
+    end = (n if partial else n - n % block_size) * 8
+    data = tokens.tobytes() if isinstance(tokens, np.ndarray) else array("q", tokens).tobytes()
+    step = block_size * 8
+    hashes: list[int] = []
+    head = b"\x00" * 9  # page_hash's encoding of the parent: none, then each page's digest
+    for start in range(0, end, step):
+        digest = _blake2b(head + data[start : min(start + step, end)], digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little", signed=True))
+        head = b"\x01" + digest
     return hashes
 
 

@@ -60,11 +60,14 @@ class LoopMixin:
     running: list[MockRequest]
     owed: dict[str, MockRequest]
     paused: bool
+    holds: int
     memory_ready: bool
     prompt_tokens: int
     cached_tokens: int
     _publish_metrics: Callable[[KvMetrics], None] | None
     _deferred: list[MockRequest]
+    _arrived: list[MockRequest]
+    _gather_until: float | None
     _readers: list[MockRequest]
     _urgent: bool
     _wake_event: anyio.Event | None
@@ -136,6 +139,37 @@ class LoopMixin:
         if self._step_done is not None:
             await self._step_done.wait()
 
+    # -- live migrations arriving together ---------------------------------------------------
+
+    def arrived(self, req: MockRequest) -> None:
+        """``req`` (a live migration) has its KV here: see :meth:`_gather`."""
+        if req.phase is Phase.DECODE:
+            self._arrived.append(req)
+
+    def stepped(self) -> None:
+        """A decode step ran: every request in the batch has stepped here."""
+        self._arrived.clear()
+        self._gather_until = None
+
+    def _gather(self, decoders: int, seconds: float) -> bool:
+        """Whether to hold back a step that would decode only live migrations that just
+        arrived while the KV of more of them (a drain's) is still on its way: so they start
+        together, instead of the late ones waiting out a step run for the first few. The
+        first wait at most as long as that step takes (what the late ones would wait)."""
+        arrived = self._arrived = [r for r in self._arrived if r.phase is Phase.DECODE]
+        if len(arrived) < decoders or not any(
+            r.phase is Phase.AWAITING_KV and r.request.live_migration for r in self.running
+        ):
+            self._gather_until = None
+            return False
+        now = anyio.current_time()
+        if self._gather_until is None:
+            self._gather_until = now + seconds
+        if now < self._gather_until:
+            return True
+        self._gather_until = None
+        return False
+
     # -- the loop -------------------------------------------------------------------------
 
     def _expire(self) -> float:
@@ -159,6 +193,9 @@ class LoopMixin:
         timeout = self.cfg.metrics_heartbeat_s
         if self.owed or any(r.phase is Phase.AWAITING_KV for r in self.running):
             timeout = min(timeout, max(0.0, self._expire() - anyio.current_time()))
+        gather = self._gather_until
+        if gather is not None and gather > anyio.current_time():
+            timeout = min(timeout, gather - anyio.current_time())
         assert self._wake_event is not None
         with anyio.move_on_after(timeout) as scope:
             await self._wake_event.wait()
@@ -175,7 +212,8 @@ class LoopMixin:
                 deferred, self._deferred = self._deferred, []
                 for req in deferred:
                     self.end(req)
-            step = self._plan() if not self.paused and self.memory_ready else None
+            ready = not self.paused and not self.holds and self.memory_ready
+            step = self._plan() if ready else None
             if step is None:
                 await self._idle()
                 continue

@@ -143,6 +143,39 @@ class BlockPool:
         )
         return True
 
+    def register_pages(
+        self, blocks: Sequence[int], hashes: Sequence[int], tokens: Sequence[int]
+    ) -> None:
+        """:meth:`register` for a whole chain: ``blocks[i]`` holds page ``i`` (tokens
+        ``[i*bs, (i+1)*bs)``) of hash ``hashes[i]``; one ``BlockStored`` per run of pages not
+        cached already (a received context registers at once)."""
+        by_hash, block_hash = self._by_hash, self._hash
+        run = 0  # the first page of the current run
+        for p, (block, hash_) in enumerate(zip(blocks, hashes, strict=True)):
+            if hash_ in by_hash or block_hash[block] is not None:
+                self._store_run(hashes, tokens, run, p)
+                run = p + 1
+                continue
+            by_hash[hash_] = block
+            block_hash[block] = hash_
+        self._store_run(hashes, tokens, run, len(blocks))
+
+    def _store_run(
+        self, hashes: Sequence[int], tokens: Sequence[int], first: int, end: int
+    ) -> None:
+        if first < end:
+            bs = self.block_size
+            self._record(
+                BlockStored(
+                    block_hashes=list(hashes[first:end]),
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=list(tokens[first * bs : end * bs]),
+                    block_size=bs,
+                    lora_id=None,
+                    medium=_MEDIUM,
+                )
+            )
+
     def _unregister(self, block: int) -> None:
         hash_ = self._hash[block]
         if hash_ is None:

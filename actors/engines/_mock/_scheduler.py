@@ -64,10 +64,13 @@ class RankScheduler(LoopMixin):
         self.owed: dict[str, MockRequest] = {}
         self._needs_block: list[MockRequest] = []
         self._deferred: list[MockRequest] = []
+        self._arrived: list[MockRequest] = []  # live migrations decoding here, not stepped yet
+        self._gather_until: float | None = None
         self._readers: list[MockRequest] = []
         self._free_slots = list(range(cfg.max_running_requests))  # a heap: lowest first
         self._dirty = False  # running / prefilling hold requests that left them
         self.paused = False
+        self.holds = 0  # no step starts while > 0 (a live hand-over at a step boundary)
         self.memory_ready = True
         self.closed = False
         self._urgent = False  # a reader should see this step at once (first or last token)
@@ -146,6 +149,14 @@ class RankScheduler(LoopMixin):
 
     def resume(self) -> None:
         self.paused = False
+        self.wake()
+
+    def hold(self) -> None:
+        """Start no step until :meth:`release_hold` (one in flight completes)."""
+        self.holds += 1
+
+    def release_hold(self) -> None:
+        self.holds -= 1
         self.wake()
 
     def holds_kv(self) -> bool:
@@ -250,7 +261,8 @@ class RankScheduler(LoopMixin):
     def hand_over(self, req: MockRequest) -> None:
         """Decode, live migration: ``req`` (decoding) stops here; its stream ends ``cancelled``
         and its KV stays owed to the transfer layer (see ``_hold``). The KV covers every token
-        but the newest: that one's KV is only computed by the next decode step."""
+        but the newest: that one's KV is only computed by the next decode step. Called between
+        steps (``hold``), so no step's work is lost."""
         self.batch.leave(req)
         write_partial(req, self.cfg.block_size, self.memory)
         self.handed_over += 1
@@ -338,6 +350,8 @@ class RankScheduler(LoopMixin):
         waiting_kv = sum(len(r.blocks) for r in self.running if r.phase is Phase.AWAITING_KV)
         frac = (self.pool.used - waiting_kv) / cfg.num_blocks
         seconds = cfg.timing.step_seconds(prefill, bool(decode), frac)
+        if not chunks and self._gather(decode, seconds):
+            return None
         return chunks, self.batch.hi if decode else 0, seconds, prefill, decode, frac
 
     # -- committing -----------------------------------------------------------------------
@@ -347,6 +361,7 @@ class RankScheduler(LoopMixin):
         self.steps += 1
         self.simulated_s += seconds
         if hi:
+            self.stepped()
             produced, (fills, finished, full) = self.batch.commit(hi)
             self.generated += produced
             for req, start, end in fills:

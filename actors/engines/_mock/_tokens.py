@@ -85,8 +85,8 @@ class TokenModel:
             self._pows = np.array(pows, dtype=np.uint64)
         return self._pows
 
-    def prefix_hash(self, tokens: Sequence[int]) -> int:
-        """``H`` of a whole sequence, in O(n) numpy work."""
+    def prefix_hash(self, tokens: Sequence[int] | npt.NDArray[np.int64]) -> int:
+        """``H`` of a whole sequence, in O(n) numpy work (no conversion for an int64 array)."""
         n = len(tokens)
         pows = self._powers(n)
         head = (_BASIS * int(pows[n])) & _MASK

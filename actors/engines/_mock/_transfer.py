@@ -24,14 +24,18 @@ be touched. For a request ``req`` with ``req.bootstrap_info`` set (any host but
   prefill produced); on a mismatch the stream raises :class:`protocols.errors.KVCorrupted`.
 - Both sides number pages the same way: page ``i`` holds prompt tokens ``[i*bs, (i+1)*bs)``.
 
-Live migration reuses both halves: a draining decode worker's ``hand_over`` plays the prefill
-side (its pages owed until ``release_transfer``), and the next decode worker receives them for a
-``live_migration`` request, admitted at once or failed (``KVTransferError``), never queued.
+Live migration reuses both halves: a draining decode worker's ``hand_over`` (at a step
+boundary, every request at once) plays the prefill side (its pages owed until
+``release_transfer``), and the next decode worker receives them for a ``live_migration``
+request, admitted at once or failed (``KVTransferError``), never queued.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
+import numpy as np
 
 from actors.engines._mock._kvmem import KvPageMemory, prompt_page_hashes
 from actors.engines._mock._request import MockRequest, Phase
@@ -91,7 +95,8 @@ class TransferMixin:
         """Decode side: the blocks the prompt's pages must be written to."""
         req = self._expecting(rid)
         assert req.transfer_ready is not None
-        await req.transfer_ready.wait()
+        if not req.transfer_ready.is_set():  # a live migration's is (admitted at once)
+            await req.transfer_ready.wait()
         if req.phase is not Phase.AWAITING_KV:
             raise KVTransferError(f"{rid}: the request ended before its KV arrived")
         return self._pages(req)
@@ -107,7 +112,8 @@ class TransferMixin:
         sched, memory = self._ranks[req.rank], self._memories[req.rank]
         bs = sched.cfg.block_size
         prompt = req.seq[: req.prompt_len]
-        hashes = prompt_page_hashes(prompt, bs)
+        tokens = np.array(prompt, dtype=np.int64)  # converted once: a context may be 4k+ long
+        hashes = prompt_page_hashes(tokens, bs)
         bad = memory.bad_pages(req.blocks, hashes)
         if bad:
             error = KVCorrupted(
@@ -118,19 +124,19 @@ class TransferMixin:
             return False
         full = req.prompt_len // bs
         req.hashes = hashes[:full]
-        for p in range(full):
-            parent = hashes[p - 1] if p else None
-            sched.pool.register(req.blocks[p], hashes[p], parent, prompt[p * bs : (p + 1) * bs])
+        sched.pool.register_pages(req.blocks[:full], req.hashes, prompt)
         req.kv_len = req.prompt_len
         sched.kv_received_tokens += req.prompt_len
         req.bootstrap = None  # from now on a retraction re-prefills locally
         if req.ngen >= req.max_new:
             sched.end(req, "length")
             return True
-        h = self._tokens.prefix_hash(prompt)
+        h = self._tokens.prefix_hash(tokens)
         regular, eos = self._tokens.next_token(h, req.seed_word)
         token, reason = sched.decide(req, regular, eos, req.ngen)
         sched.start_decoding(req, h, token, reason)
+        if req.request.live_migration:
+            sched.arrived(req)
         sched.after_change()
         return True
 
@@ -149,20 +155,39 @@ class TransferMixin:
             raise KVTransferError(f"{rid}: the prefill ended without KV to transfer")
         return self._pages(req)
 
-    def hand_over(self, rid: str) -> KvPages | None:
-        """Decode side of a live migration (a drain): stop decoding ``rid`` and keep its KV for
-        the next decode worker; ``None`` if it is not decoding (then abort it for a replay).
+    async def hand_over(self, rids: Sequence[str]) -> dict[str, KvPages | None]:
+        """Decode side of a live migration (a drain): stop decoding ``rids`` and keep their KV
+        for the next decode worker.
 
-        Its stream ends ``cancelled``, after every token so far. The pages cover the sequence
+        It happens at a step boundary: a step in flight completes first (its tokens are
+        delivered, its work is not thrown away) and no step starts until every request is
+        handed over. Returns each request's pages, or ``None`` for one that is not decoding
+        (abort it for a replay); a request that ended meanwhile is left out.
+
+        Each stream ends ``cancelled``, after every token so far. The pages cover the sequence
         but its newest token (``num_tokens``; the trailing partial page is written), so the next
         worker receives them for a request of that prefix and recomputes the newest token as its
         first. They stay owed until ``release_transfer``, ``abort`` or ``transfer_timeout_s``.
         """
-        req = self._find(rid)
-        if req is None or req.phase is not Phase.DECODE:
-            return None
-        self._ranks[req.rank].hand_over(req)
-        return self._pages(req, req.kv_len)
+        for sched in self._ranks:
+            sched.hold()
+        try:
+            for sched in self._ranks:
+                await sched.wait_step_boundary()
+            pages: dict[str, KvPages | None] = {}
+            for rid in rids:
+                req = self._find(rid)
+                if req is None or req.phase is Phase.FINISHED:
+                    continue
+                if req.phase is not Phase.DECODE:
+                    pages[rid] = None
+                    continue
+                self._ranks[req.rank].hand_over(req)
+                pages[rid] = self._pages(req, req.kv_len)
+            return pages
+        finally:
+            for sched in self._ranks:
+                sched.release_hold()
 
     def release_transfer(self, rid: str) -> None:
         """Prefill side: the decode side has the pages; free them (they stay prefix-cached)."""

@@ -1,0 +1,141 @@
+"""Live migration's engine halves: a draining engine hands its decoding requests over at a step
+boundary, and the receiving engine starts the ones that arrive together in one step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import msgspec
+
+from actors.engines import KvPages, MockEngine, TimingModel
+from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest
+from tests.engines._mock_helpers import collect, config, request, run, tokens_of
+
+PROMPTS = [list(range(500 + i, 540 + i)) for i in range(3)]  # 2 full pages of 16 and a partial
+
+
+def _live(rid: str, prompt: list[int], done: list[int], max_tokens: int) -> PreprocessedRequest:
+    """The request that continues after ``done`` tokens from handed-over KV (as a request
+    stream makes it: the newest token is recomputed by the new engine, hence ``done[:-1]``)."""
+    boot = BootstrapInfo(host="127.0.0.1", port=7100, room=len(done))
+    req = request(rid, [*prompt, *done[:-1]], max_tokens=max_tokens - len(done) + 1, bootstrap=boot)
+    return msgspec.structs.replace(req, live_migration=True)
+
+
+def _copy(source: MockEngine, pages: KvPages, target: MockEngine, target_pages: KvPages) -> None:
+    src, dst = source.kv_buffer(pages.dp_rank), target.kv_buffer(target_pages.dp_rank)
+    for s, d in zip(pages.block_ids, target_pages.block_ids, strict=True):
+        dst[d] = src[s]  # what the NIXL WRITE does
+
+
+async def _until_token(stream: Any) -> list[EngineOutput]:
+    """Outputs up to and including the first with a token."""
+    out: list[EngineOutput] = []
+    async for output in stream:
+        out.append(output)
+        if output.token_ids:
+            break
+    return out
+
+
+async def test_hand_over_lets_the_step_in_flight_deliver_its_tokens() -> None:
+    timed = TimingModel(speedup=20.0)  # a step is always in flight while requests decode
+    async with (
+        MockEngine(config(timing=timed, record_steps=True)) as source,
+        MockEngine(config()) as reference,
+        MockEngine(config(role="decode")) as target,
+    ):
+        streams = [
+            source.generate(request(f"r{i}", p, max_tokens=40)) for i, p in enumerate(PROMPTS)
+        ]
+        done = [tokens_of(await _until_token(s)) for s in streams]
+        waiting = source.generate(request("w", PROMPTS[0], max_tokens=40))  # not decoding yet
+        steps = len(source.step_records())
+        pages = await source.hand_over(["r0", "r1", "r2", "w", "gone"])
+        # The step in flight was committed with every request in it; none started since.
+        records = source.step_records()
+        assert len(records) == steps + 1 and records[-1].decode_requests == 3
+        assert pages.keys() == {"r0", "r1", "r2", "w"} and pages["w"] is None
+        for i, stream in enumerate(streams):
+            outputs = await collect(stream)
+            assert outputs[-1].finish_reason == "cancelled"
+            done[i] += tokens_of(outputs)
+            kv = pages[f"r{i}"]
+            assert kv is not None and kv.num_tokens == len(PROMPTS[i]) + len(done[i]) - 1
+        assert not source.is_quiescent()  # the KV is owed until the transfer took it
+        await waiting.aclose()
+        # The next engine continues each request exactly from its handed-over KV.
+        for i, prompt in enumerate(PROMPTS):
+            expected, _ = await run(reference, request(f"ref{i}", prompt, max_tokens=40))
+            live = _live(f"m{i}", prompt, done[i], 40)
+            stream = target.generate(live)
+            kv = pages[f"r{i}"]
+            assert kv is not None
+            _copy(source, kv, target, await target.wait_transfer_target(live.rid))
+            assert target.complete_transfer(live.rid)
+            source.release_transfer(f"r{i}")
+            rest = tokens_of(await collect(stream))
+            assert rest[0] == done[i][-1]  # the newest token, recomputed
+            assert [*done[i], *rest[1:]] == expected
+        assert target.statistics().ranks[0].prefill_tokens == 0
+        assert source.is_quiescent() and source.statistics().used_blocks == 0
+
+
+async def _handed_over(source: MockEngine) -> tuple[dict[str, KvPages | None], list[list[int]]]:
+    streams = [source.generate(request(f"r{i}", p, max_tokens=30)) for i, p in enumerate(PROMPTS)]
+    done = [tokens_of(await _until_token(s)) for s in streams]
+    pages = await source.hand_over([f"r{i}" for i in range(len(PROMPTS))])
+    for i, stream in enumerate(streams):
+        done[i] += tokens_of(await collect(stream))
+    return pages, done
+
+
+async def test_live_migrations_arriving_together_start_in_one_step() -> None:
+    # Steps of ~0.6 s: the first arrival is held back (at most that long) while the others'
+    # KV is still on its way, instead of starting a step of its own.
+    slow = TimingModel(speedup=0.01)
+    async with (
+        MockEngine(config()) as source,
+        MockEngine(config(role="decode", timing=slow, record_steps=True)) as target,
+    ):
+        pages, done = await _handed_over(source)
+        lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
+        streams = [target.generate(live) for live in lives]
+        for i, live in enumerate(lives):
+            kv = pages[f"r{i}"]
+            assert kv is not None
+            _copy(source, kv, target, await target.wait_transfer_target(live.rid))
+        for i, live in enumerate(lives):
+            assert target.complete_transfer(live.rid)
+            source.release_transfer(f"r{i}")
+            await anyio.sleep(0.01)  # the scheduler sees the first ones alone
+        for stream in streams:
+            await _until_token(stream)  # the newest token again
+            await _until_token(stream)  # the first new one
+        assert [r.decode_requests for r in target.step_records()[:1]] == [3]
+        for stream in streams:
+            await stream.aclose()
+
+
+async def test_a_live_migration_whose_peers_never_arrive_still_starts() -> None:
+    async with (
+        MockEngine(config()) as source,
+        MockEngine(config(role="decode", timing=TimingModel(speedup=5.0))) as target,
+    ):
+        pages, done = await _handed_over(source)
+        first, late = _live("m0", PROMPTS[0], done[0], 30), _live("m1", PROMPTS[1], done[1], 30)
+        stream, late_stream = target.generate(first), target.generate(late)
+        kv = pages["r0"]
+        assert kv is not None
+        _copy(source, kv, target, await target.wait_transfer_target(first.rid))
+        await target.wait_transfer_target(late.rid)  # its KV never comes
+        assert target.complete_transfer(first.rid)
+        with anyio.fail_after(10):
+            await _until_token(stream)  # the newest token again
+            await _until_token(stream)  # decoding goes on
+        await late_stream.aclose()
+        await stream.aclose()
+        for rid in ("r0", "r1", "r2"):
+            source.release_transfer(rid)
+        assert target.is_quiescent() and source.is_quiescent()
