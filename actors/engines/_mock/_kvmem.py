@@ -69,7 +69,10 @@ def prompt_page_hashes(
     array is used as is): a live migration hashes a whole context on the receiving engine."""
     n = len(tokens)
     end = (n if partial else n - n % block_size) * 8
-    data = tokens.tobytes() if isinstance(tokens, np.ndarray) else array("q", tokens).tobytes()
+    if isinstance(tokens, np.ndarray):
+        data = np.asarray(tokens, dtype=np.int64).tobytes()
+    else:
+        data = array("q", tokens).tobytes()
     step = block_size * 8
     hashes: list[int] = []
     head = b"\x00" * 9  # page_hash's encoding of the parent: none, then each page's digest
