@@ -6,6 +6,7 @@ replies are msgpack.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any
@@ -41,6 +42,8 @@ class ControlServer(Actor):
 
     async def stopping(self, reason: Any) -> None:
         self.socket.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # ZMQ leaves the ipc file of a closed socket behind
 
     async def _serve(self) -> None:
         try:
