@@ -153,6 +153,26 @@ async def test_a_late_subscriber_recovers_missed_batches_through_replay() -> Non
             assert view.hashes == engine.cached_block_hashes()
 
 
+async def test_a_late_subscriber_with_no_live_traffic_catches_up_when_quiet() -> None:
+    async with MockEngine(config()) as engine:
+        await run(engine, request("a", list(range(40))))
+        cap = engine.capacity
+        async with KvEventSubscriber(
+            cap.kv_events_endpoints[0],
+            cap.kv_events_replay_endpoints[0],
+            start_seq=0,
+            idle_catch_up_s=0.05,
+        ) as sub:
+            with anyio.fail_after(5):
+                got = await sub.receive()
+            assert [seq for seq, _ in got] == list(range(engine.kv_events_last_seq() + 1))
+            # Nothing new: a quiet catch-up hands out nothing and receive keeps waiting.
+            with anyio.move_on_after(0.3):
+                await sub.receive()
+                raise AssertionError("a batch out of nowhere")
+            assert sub.statistics().missed == 0
+
+
 async def test_a_dropped_batch_is_replayed_in_order() -> None:
     async with MockEngine(config()) as engine:
         cap = engine.capacity

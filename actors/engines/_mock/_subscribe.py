@@ -5,7 +5,8 @@ publisher actor can use them for either backend:
 
 - :class:`KvEventSubscriber`: a SUB socket on one rank's KV events; it checks sequence numbers and
   fills gaps (a late join, a dropped message) from the rank's replay socket, so ``receive`` hands
-  out every batch exactly once and in order, or counts what the replay buffer no longer had.
+  out every batch exactly once and in order, or counts what the replay buffer no longer had. A
+  gap is revealed by the next batch, or, when none comes, by a catch-up after a quiet spell.
 - :func:`replay_kv_events`: one replay request (a DEALER speaking to SGLang's ROUTER).
 - :class:`KvMetricsSubscriber`: a SUB socket on the load metrics.
 """
@@ -72,6 +73,11 @@ class KvEventSubscriber:
 
     ``start_seq=0`` also recovers what was published before this subscriber joined (as far as
     the replay buffer reaches); ``None`` starts with the first batch that arrives.
+
+    After ``idle_catch_up_s`` without a batch, ``receive`` asks the replay socket for anything
+    newer (best effort: an engine that does not answer is the health checker's business). A
+    SUB socket receives nothing until its subscription reached the publisher, so without this
+    the batches of a worker's first request could stay missing until its next one.
     """
 
     def __init__(
@@ -82,12 +88,14 @@ class KvEventSubscriber:
         topic: str = "",
         start_seq: int | None = None,
         replay_timeout_s: float = 5.0,
+        idle_catch_up_s: float | None = 0.5,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self._topic = topic.encode()
         self._next: int | None = start_seq
         self._timeout = replay_timeout_s
+        self._idle = idle_catch_up_s if replay_endpoint is not None else None
         self._sock: AsyncSocket | None = None
         self._received = self._replayed = self._missed = self._undecodable = 0
 
@@ -148,7 +156,22 @@ class KvEventSubscriber:
         if self._sock is None:
             raise RuntimeError("KvEventSubscriber is not connected")
         while True:
-            frames = await self._sock.recv_multipart()
+            sock = self._sock
+            if sock is None:
+                raise anyio.ClosedResourceError  # dropped during a catch-up
+            frames = sock.recv_multipart_nowait()
+            if frames is None:
+                # Quiet spells end in a catch-up only once there is a sequence to catch up from.
+                with anyio.move_on_after(None if self._next is None else self._idle):
+                    frames = await sock.recv_multipart()
+            if frames is None:
+                try:
+                    recovered = await self.catch_up()
+                except (TimeoutError, zmq.ZMQError):
+                    continue
+                if recovered:
+                    return recovered
+                continue
             if len(frames) != 3 or len(frames[1]) != 8:
                 self._undecodable += 1
                 continue
