@@ -64,7 +64,10 @@ class Incarnation:
         self.backend = backend()
         self.mailbox = Mailbox(self.backend, actor.mailbox_capacity)
         self.ready: Reply = self.backend.reply()
-        self.finished = anyio.Event()
+        # Made when someone waits for the end (a supervisor stopping it): most request streams
+        # end with nobody waiting, and an anyio Event costs more than the rest of this method.
+        self._finished: anyio.Event | None = None
+        self._ended = False
         self.kill_scope = anyio.CancelScope()
         self.stop_reason: ExitReason | None = None
         self.kill_reason: ExitReason | None = None
@@ -86,6 +89,16 @@ class Incarnation:
         self.task_group: anyio.abc.TaskGroup
         self._reply_errors: tuple[type[BaseException], ...] = (ReplyError, *actor.reply_errors)
         actor._runtime = self
+
+    @property
+    def finished(self) -> anyio.Event:
+        """Set once the incarnation ended (its task is over but for returning)."""
+        event = self._finished
+        if event is None:
+            event = self._finished = anyio.Event()
+            if self._ended:
+                event.set()
+        return event
 
     # -- control, from any task ------------------------------------------------------------
 
@@ -207,7 +220,13 @@ class Incarnation:
             self._fail_pending(reason)
             if bound:
                 cell.unbind(reason, on_exit(reason))
-            self.finished.set()
+            self._ended = True
+            if self._finished is not None:
+                self._finished.set()
+            # The actor and its incarnation point at each other: a cycle only the garbage
+            # collector frees, which kept a request stream's whole state (~30 objects) alive
+            # until a collection. Nothing here needs the actor once it exited.
+            del self.actor
 
     async def _stopping_after_crash(self, reason: ExitReason) -> None:
         try:
@@ -222,7 +241,13 @@ class Incarnation:
             await self._pumps_idle.wait()
 
     async def _serve(self, streams: anyio.abc.TaskGroup) -> ExitReason:
+        # Rounds run without a scope until the first ask from another process (only an actor
+        # in a child process gets those): a request stream pays for no scope it never uses.
+        scoped = False
         while self.stop_reason is None:
+            if not scoped:
+                scoped = await self._serve_round(streams, None)
+                continue
             # Asks from another process run in this scope, shared by every message of a round:
             # aborting one cancels the scope and ends the round, so an ask pays for no scope of
             # its own (one costs 5-15 us here, a tenth of a remote round trip).
@@ -230,7 +255,11 @@ class Incarnation:
                 await self._serve_round(streams, scope)
         return self.stop_reason
 
-    async def _serve_round(self, streams: anyio.abc.TaskGroup, scope: anyio.CancelScope) -> None:
+    async def _serve_round(
+        self, streams: anyio.abc.TaskGroup, scope: anyio.CancelScope | None
+    ) -> bool:
+        """Serve messages until a stop, or an abort ended the round; without ``scope``, until
+        an ask from another process is next (then ``True``: the caller opens a scope for it)."""
         mailbox = self.mailbox
         items = mailbox.items
         take = items.popleft
@@ -244,6 +273,8 @@ class Incarnation:
                 budget = _FAIRNESS  # parking lets the other tasks run
                 await mailbox.wait_nonempty()
                 continue
+            if scope is None and items[0][0] == ASK_ABORTABLE:
+                return True
             # Each item taken frees a slot for the first blocked sender (see Mailbox).
             kind, message, extra = take()
             if senders:
@@ -270,7 +301,7 @@ class Incarnation:
                 # than two); _wait_pumps gives them the graceful exit a group of their own would.
                 self._pumps += 1
                 streams.start_soon(self._pump, message, extra)
-            elif kind == ASK_ABORTABLE and not extra.aborted:
+            elif kind == ASK_ABORTABLE and scope is not None and not extra.aborted:
                 # The caller (in another process) may abort it: extra.abort() cancels ``scope``
                 # while extra.scope is set; the actor itself goes on.
                 extra.scope = scope
@@ -286,11 +317,12 @@ class Incarnation:
                 finally:
                     extra.scope = None
                 if scope.cancel_called:
-                    return  # aborted, but the handler returned: the next round gets a new scope
+                    return True  # aborted, but the handler returned: a new round, a new scope
             budget -= 1
             if not budget:
                 budget = _FAIRNESS
                 await yield_now()
+        return False
 
     async def _pump(self, message: Any, channel: StreamChannel) -> None:
         self.channels.add(channel)

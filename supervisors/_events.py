@@ -49,15 +49,16 @@ def _logger() -> Any:
     processor list in place, which a bound logger sees."""
     global _bound
     config = structlog.get_config()
-    key = (
-        config["processors"],
-        config["wrapper_class"],
-        config["logger_factory"],
-        config["context_class"],
-    )
-    if _bound is None or any(a is not b for a, b in zip(_bound[0], key, strict=True)):
-        _bound = (key, _log.bind())
-    return _bound[1]
+    processors, wrapper = config["processors"], config["wrapper_class"]
+    factory, context = config["logger_factory"], config["context_class"]
+    bound = _bound
+    if bound is not None:
+        # Compared one by one: a key tuple and a generator per call cost as much as the rest.
+        key = bound[0]
+        if key[0] is processors and key[1] is wrapper and key[2] is factory and key[3] is context:
+            return bound[1]
+    bound = _bound = ((processors, wrapper, factory, context), _log.bind())
+    return bound[1]
 
 
 def emit(supervisor: str, child: str, event: str, **fields: Any) -> None:

@@ -18,6 +18,7 @@ import hashlib
 import importlib
 import mmap
 import os
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -72,7 +73,9 @@ def prompt_page_hashes(
     if isinstance(tokens, np.ndarray):
         data = np.asarray(tokens, dtype=np.int64).tobytes()
     else:
-        data = array("q", tokens).tobytes()
+        # struct packs a list of ints ~3x faster than array("q", ...) takes it (the router
+        # hashes every prompt): the same bytes, native order, 8 bytes each.
+        data = struct.pack(f"={n}q", *tokens)
     step = block_size * 8
     hashes: list[int] = []
     head = b"\x00" * 9  # page_hash's encoding of the parent: none, then each page's digest
