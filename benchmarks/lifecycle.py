@@ -26,6 +26,7 @@ or resume call in it).
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import statistics
 import time
@@ -160,6 +161,7 @@ async def measure(quick: bool) -> dict[str, float]:
     children = serving_children(serving, RootOptions(budgets=budgets), lambda: None)
     async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)):
         await serving.table.wait_routable(3)
+        gc.freeze()  # as run_root does once the tree is up
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{serving.port}") as client:
             bench = Bench(serving, client, 8 if quick else 16)
             first = await bench.drain("first", live=True)  # these two workers' first hand-over

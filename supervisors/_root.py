@@ -3,6 +3,7 @@ control API, and how it stops (signals, staged shutdown, hard deadline)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -77,6 +78,9 @@ async def run_root(
             await root.start_child(ChildSpec("control", lambda: ControlServer(root, path)))
         with anyio.fail_after(600):
             await serving.table.wait_routable(len(serving.roles))
+        # Started: take what lives as long as the root out of the cyclic GC's walks (a full
+        # collection of a serving root took 65-170 ms on a 2-core VM, 26 ms once frozen).
+        gc.freeze()
         if on_ready is not None:
             await on_ready(root)
         async with anyio.create_task_group() as tg:

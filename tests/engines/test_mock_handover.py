@@ -110,9 +110,10 @@ async def test_live_migrations_arriving_together_start_in_one_step() -> None:
             assert target.complete_transfer(live.rid)
             source.release_transfer(f"r{i}")
             await anyio.sleep(0.01)  # the scheduler sees the first ones alone
-        for stream in streams:
-            await _until_token(stream)  # the newest token again
-            await _until_token(stream)  # the first new one
+        for i, stream in enumerate(streams):
+            # The newest token again, held back until the first new one is there too.
+            again = tokens_of(await _until_token(stream))
+            assert again[0] == done[i][-1] and len(again) == 2
         assert [r.decode_requests for r in target.step_records()[:1]] == [3]
         for stream in streams:
             await stream.aclose()
@@ -132,8 +133,9 @@ async def test_a_live_migration_whose_peers_never_arrive_still_starts() -> None:
         await target.wait_transfer_target(late.rid)  # its KV never comes
         assert target.complete_transfer(first.rid)
         with anyio.fail_after(10):
-            await _until_token(stream)  # the newest token again
-            await _until_token(stream)  # decoding goes on
+            # The newest token again, with what decoding produced after it.
+            again = tokens_of(await _until_token(stream))
+            assert again[0] == done[0][-1] and len(again) >= 2
         await late_stream.aclose()
         await stream.aclose()
         for rid in ("r0", "r1", "r2"):
