@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from pathlib import Path
@@ -152,11 +151,6 @@ def run(
         status.start()
 
         async def ready(root: SupervisorRef) -> None:
-            # What start-up made (modules, the tree, the workers' links; ~90k objects) lives as
-            # long as the process: frozen out of the collector's way, a full collection walks
-            # only what came after, not all of it (40-170 ms here: every stream in flight stalls).
-            gc.collect()
-            gc.freeze()
             status.stop()
             console.print(render_tree(await snapshot_tree(root)))
             console.print(

@@ -78,8 +78,10 @@ async def run_root(
             await root.start_child(ChildSpec("control", lambda: ControlServer(root, path)))
         with anyio.fail_after(600):
             await serving.table.wait_routable(len(serving.roles))
-        # Started: take what lives as long as the root out of the cyclic GC's walks (a full
-        # collection of a serving root took 65-170 ms on a 2-core VM, 26 ms once frozen).
+        # Started: what start-up made (modules, the tree, the workers' links; ~90k objects)
+        # lives as long as the root, so the cyclic GC stops walking it (a full collection of a
+        # serving root took 65-170 ms on a 2-core VM, 26 ms once frozen: every stream stalls).
+        gc.collect()
         gc.freeze()
         if on_ready is not None:
             await on_ready(root)
