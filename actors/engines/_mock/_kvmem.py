@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from actors.engines._mock._tokens import U64Array, mix64
+from actors.engines._mock._tokens import U64Array, mix64, token_bytes
 
 __all__ = [
     "HostOrDeviceBuffer",
@@ -70,12 +70,7 @@ def prompt_page_hashes(
     array is used as is): a live migration hashes a whole context on the receiving engine."""
     n = len(tokens)
     end = (n if partial else n - n % block_size) * 8
-    if isinstance(tokens, np.ndarray):
-        data = np.asarray(tokens, dtype=np.int64).tobytes()
-    else:
-        # struct packs a list of ints ~3x faster than array("q", ...) takes it (the router
-        # hashes every prompt): the same bytes, native order, 8 bytes each.
-        data = struct.pack(f"={n}q", *tokens)
+    data = token_bytes(tokens)
     step = block_size * 8
     hashes: list[int] = []
     head = b"\x00" * 9  # page_hash's encoding of the parent: none, then each page's digest
@@ -205,6 +200,11 @@ class KvPageMemory:
         self.generation = 0
         self._buf: HostOrDeviceBuffer | None = None
         self._rows = _row_words(block_bytes)
+        # Row r's mask repeated over its 8 words: contiguous, so a page is XORed with it in one
+        # pass (a stride-0 broadcast made the same XOR ~1.5x slower).
+        self._row_tile = np.ascontiguousarray(
+            np.broadcast_to(self._rows[:, None], (self._rows.size, _ROW_WORDS))
+        )
         self._pages: U64Array | None = None  # (num_blocks, rows, 8) view of host memory
 
     @property
@@ -291,13 +291,16 @@ class KvPageMemory:
         (64 pages for 4k tokens) per request on the receiving engine's event loop."""
         if self._pages is None:
             return [i for i, h in enumerate(hashes) if not self.verify(block_ids[i], h)]
+        n = len(hashes)
+        # The hashes packed at once (little-endian two's complement, as _base_words encodes one).
+        packed = struct.pack(f"<{n}q", *hashes)
         digests = b"".join(
-            hashlib.blake2b((h & _MASK).to_bytes(8, "little"), digest_size=64).digest()
-            for h in hashes
+            [_blake2b(packed[i : i + 8], digest_size=64).digest() for i in range(0, 8 * n, 8)]
         )
-        base = np.frombuffer(digests, dtype=np.uint64).reshape(len(hashes), 1, _ROW_WORDS)
-        got = self._pages[np.asarray(block_ids[: len(hashes)], dtype=np.intp)]
-        wrong = (got != (base ^ self._rows[None, :, None])).any(axis=(1, 2))
+        base = np.frombuffer(digests, dtype=np.uint64).reshape(n, 1, _ROW_WORDS)
+        got = self._pages[np.asarray(block_ids[:n], dtype=np.intp)]  # a copy: XOR it in place
+        got ^= self._row_tile
+        wrong = (got != base).reshape(n, -1).any(axis=1)
         return [int(i) for i in np.flatnonzero(wrong)]
 
     def checksum(self, block_id: int) -> int:

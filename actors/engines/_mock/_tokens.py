@@ -17,12 +17,13 @@ step for the whole batch is a handful of numpy operations.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["TokenModel", "U64Array", "mix64"]
+__all__ = ["TokenModel", "U64Array", "mix64", "token_bytes"]
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -42,6 +43,16 @@ _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
 _S40 = np.uint64(64 - _EOS_BITS)
+
+
+def token_bytes(tokens: Sequence[int] | npt.NDArray[np.int64]) -> bytes:
+    """The tokens as native int64 bytes (``np.frombuffer(..., np.int64)`` makes them an array).
+
+    struct packs a list of ints ~3x faster than ``array("q", ...)`` or ``np.array`` take it
+    (the router hashes every prompt; a live migration's receiver converts a 4k+ context)."""
+    if isinstance(tokens, np.ndarray):
+        return np.asarray(tokens, dtype=np.int64).tobytes()
+    return struct.pack(f"={len(tokens)}q", *tokens)
 
 
 def mix64(x: int) -> int:
@@ -92,7 +103,10 @@ class TokenModel:
         head = (_BASIS * int(pows[n])) & _MASK
         if n == 0:
             return head
-        arr = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+        if isinstance(tokens, np.ndarray):
+            arr = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+        else:
+            arr = np.frombuffer(token_bytes(tokens), dtype=np.uint64).copy()
         arr += _K_U
         arr *= pows[n - 1 :: -1]
         return (head + int(arr.sum(dtype=np.uint64))) & _MASK

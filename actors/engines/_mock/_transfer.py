@@ -40,7 +40,7 @@ import numpy as np
 from actors.engines._mock._kvmem import KvPageMemory, prompt_page_hashes
 from actors.engines._mock._request import MockRequest, Phase
 from actors.engines._mock._scheduler import RankScheduler
-from actors.engines._mock._tokens import TokenModel
+from actors.engines._mock._tokens import TokenModel, token_bytes
 from protocols.errors import KVCorrupted, KVTransferError
 
 __all__ = ["KvPages", "TransferMixin"]
@@ -112,7 +112,8 @@ class TransferMixin:
         sched, memory = self._ranks[req.rank], self._memories[req.rank]
         bs = sched.cfg.block_size
         prompt = req.seq[: req.prompt_len]
-        tokens = np.array(prompt, dtype=np.int64)  # converted once: a context may be 4k+ long
+        # Converted once (a context may be 4k+ long): hashed, then prefix-hashed as an array.
+        tokens = np.frombuffer(token_bytes(prompt), dtype=np.int64)
         hashes = prompt_page_hashes(tokens, bs)
         bad = memory.bad_pages(req.blocks, hashes)
         if bad:
