@@ -1,0 +1,111 @@
+"""The receiving engine's CPU per live-migrated request (the mock engine's side of issue 7).
+
+    python -m benchmarks.live_receive [--quick]
+
+A decode mock engine (the lifecycle benchmark's geometry: 64-token pages of 1 KiB) receives
+requests of a 4k-token context as live migrations, one after another: ``open`` is
+``generate`` plus ``wait_transfer_target`` (admission, page allocation), ``complete`` is
+``complete_transfer`` (the context converted once, every page hashed and verified, the pages
+registered and published, the first token computed). The page bytes are written in between, as
+the NIXL WRITE would. CPU time of this thread (``time.thread_time``) per call, as the machines
+here are shared, and wall time beside it.
+
+A table first, then one JSON line: receive_open_cpu_us_p50, receive_complete_cpu_us_p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import anyio
+
+from actors.engines import (
+    MockEngine,
+    MockEngineConfig,
+    TimingModel,
+    page_content,
+    prompt_page_hashes,
+)
+from benchmarks._common import percentile, report
+from protocols.engine import (
+    BootstrapInfo,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+
+CONTEXT = 4103  # a 4k-token context with a partial last page
+BLOCK = 64
+
+
+def _request(i: int, tokens: list[int]) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        rid=f"m{i}",
+        token_ids=tokens,
+        stop_conditions=StopConditions(max_tokens=50),
+        sampling_options=SamplingOptions(temperature=0.0),
+        bootstrap_info=BootstrapInfo(host="127.0.0.1", port=7100, room=i),
+        live_migration=True,
+    )
+
+
+async def measure(n: int) -> dict[str, list[float]]:
+    config = MockEngineConfig(
+        role="decode",
+        num_blocks=4096,
+        block_size=BLOCK,
+        kv_bytes_per_block=1024,
+        context_length=16384,
+        device="cpu",
+        timing=TimingModel(instant=True),
+    )
+    rng = random.Random(7)
+    out: dict[str, list[float]] = {"open_cpu": [], "open_wall": [], "cpu": [], "wall": []}
+    async with MockEngine(config) as engine:
+        for i in range(n + 10):
+            tokens = [rng.randrange(256) for _ in range(CONTEXT)]
+            request = _request(i, tokens)
+            w0, c0 = time.perf_counter(), time.thread_time()
+            stream = engine.generate(request)
+            pages = await engine.wait_transfer_target(request.rid)
+            w1, c1 = time.perf_counter(), time.thread_time()
+            memory = engine.kv_buffer(pages.dp_rank)
+            hashes = prompt_page_hashes(tokens, BLOCK)
+            for block, h in zip(pages.block_ids, hashes, strict=True):
+                memory[block] = page_content(h, pages.block_bytes)
+            w2, c2 = time.perf_counter(), time.thread_time()
+            if not engine.complete_transfer(request.rid):
+                raise RuntimeError("the pages did not verify")
+            w3, c3 = time.perf_counter(), time.thread_time()
+            await stream.aclose()
+            if i >= 10:  # warm-up
+                out["open_cpu"].append(c1 - c0)
+                out["open_wall"].append(w1 - w0)
+                out["cpu"].append(c3 - c2)
+                out["wall"].append(w3 - w2)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few seconds")
+    args = parser.parse_args()
+    got = anyio.run(measure, 100 if args.quick else 400)
+    us = {k: [x * 1e6 for x in v] for k, v in got.items()}
+    result = {
+        "receive_open_cpu_us_p50": round(percentile(us["open_cpu"], 50), 1),
+        "receive_complete_cpu_us_p50": round(percentile(us["cpu"], 50), 1),
+    }
+    rows = [
+        ("open, CPU (us, p50)", result["receive_open_cpu_us_p50"], "generate + admission"),
+        ("open, wall (us, p50)", round(percentile(us["open_wall"], 50), 1), ""),
+        ("complete, CPU (us, p50)", result["receive_complete_cpu_us_p50"], "verify + register"),
+        ("complete, wall (us, p50)", round(percentile(us["wall"], 50), 1), ""),
+    ]
+    report("Live migration, receiving engine, per request (4k context)", rows, result)
+
+
+if __name__ == "__main__":
+    main()
