@@ -152,11 +152,13 @@ class TokenModel:
         return regular.astype(np.int64), eos
 
     def next_token(self, h: int, seed_word: int) -> tuple[int, bool]:
-        """The scalar form of :meth:`next_tokens` for one sequence."""
-        regular, eos = self.next_tokens(
-            np.array([h], dtype=np.uint64), np.array([seed_word], dtype=np.uint64)
-        )
-        return int(regular[0]), bool(eos is not None and eos[0])
+        """The scalar form of :meth:`next_tokens` for one sequence, in Python ints (a dozen
+        numpy calls on one-element arrays cost more: a live migration's receiver makes one)."""
+        z = mix64(h ^ seed_word)
+        regular = z % (self.vocab_size - 1)
+        regular += regular >= self.eos_token_id
+        eos = self.emits_eos and (z >> (64 - _EOS_BITS)) < int(self._eos_threshold)
+        return regular, eos
 
     def alternative(self, token: int, banned: frozenset[int]) -> int:
         """A deterministic replacement for a token the request may not produce (min_tokens)."""
