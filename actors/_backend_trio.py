@@ -38,9 +38,9 @@ class _TrioParking:
         self._task = None
         return _SUCCEEDED
 
-    async def park(self) -> None:
+    def park(self) -> Awaitable[None]:
         self._task = current_task()
-        await wait_task_rescheduled(self._abort)
+        return wait_task_rescheduled(self._abort)  # noqa: ASYNC105 (awaited by the parker)
 
 
 class _TrioReply:

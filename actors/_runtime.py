@@ -285,8 +285,10 @@ class Incarnation:
                     extra.set(result)  # a no-op if it was aborted
                 finally:
                     extra.scope = None
-                if scope.cancel_called:
-                    return  # aborted, but the handler returned: the next round gets a new scope
+                if extra.aborted:
+                    # Its abort cancelled the scope, but the handler returned: the next round
+                    # gets a new scope.
+                    return
             budget -= 1
             if not budget:
                 budget = _FAIRNESS

@@ -1,4 +1,9 @@
-"""The link between a parent and its process actor: byte messages over sockets, read by a callback.
+"""The link between a parent and its process actor: messages over sockets, read by a callback.
+
+A message is a kind, a correlation id and a body (see :mod:`actors.process._frames`): each
+transport frames the three its own way, so a send packs them in one go. A received body is the
+handler's to keep: never a view of a buffer the link reuses (a decoded ``msgspec.Raw`` or
+``memoryview`` field would still point into it).
 
 Two transports behind one :class:`Link`:
 
@@ -36,11 +41,13 @@ import sniffio
 
 from actors._backend import backend
 from actors._errors import ActorError
+from actors.process._frames import Body
 
 __all__ = ["Link", "LinkBroken", "Transport", "connect_link", "new_link"]
 
 Transport = Literal["unix", "ipc", "tcp"]
-MessageHandler = Callable[[bytes | bytearray], None]
+# (kind, corr, body): the body is the handler's to keep (see the module docstring).
+MessageHandler = Callable[[int, int, Body], None]
 Chunk = bytes | bytearray | memoryview
 
 _BACKLOG_RETRY_S = 0.001
@@ -118,7 +125,7 @@ class Link:
     def connect(self, endpoints: list[str]) -> None:
         raise NotImplementedError
 
-    def send(self, data: bytes) -> None:
+    def send(self, kind: int, corr: int = 0, body: bytes = b"") -> None:
         """Queue one message (never blocks); ``LinkBroken`` once the link is closed. On a broken
         link the message is dropped: :meth:`run` raises the error."""
         raise NotImplementedError

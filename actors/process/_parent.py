@@ -89,31 +89,33 @@ class _Forwarder:
     def __len__(self) -> int:
         return len(self._owner.asks) + len(self._owner.streams)
 
-    def put_nowait(self, item: Item) -> None:
+    def try_put(self, item: Item) -> bool:
+        """Send ``item`` (unbounded, capacity 2**62: a send never waits for room)."""
         kind, message, extra = item
         owner = self._owner
-        if owner.wire.closed or owner.wire.broken or owner.exited:
+        wire = owner.wire
+        if wire.closed or wire.broken or owner.exited:
             raise ActorNotRunning(owner.ref.name)
         body = codec.encode(message)
         self.put_count += 1
         if kind == ASK:
             corr = next(_ids)
             owner.asks[corr] = extra
-            owner.wire.send(f.header(f.ASK, corr) + body)
+            wire.send(f.ASK, corr, body)
         elif kind == TELL:
-            owner.wire.send(f.header(f.TELL, 0) + body)
+            wire.send(f.TELL, 0, body)
         elif kind == STREAM:
             corr = next(_ids)
             channel: StreamChannel = extra
             owner.streams[corr] = channel
             channel.hooks = _Credit(owner, corr, channel.capacity)
-            owner.wire.send(f.header(f.STREAM, corr) + f.count(channel.capacity) + body)
+            wire.send(f.STREAM, corr, f.count(channel.capacity) + body)
+        return True
+
+    def put_nowait(self, item: Item) -> None:
+        self.try_put(item)
 
     put_system = put_nowait
-
-    def try_put(self, item: Item) -> bool:
-        self.put_nowait(item)  # unbounded (capacity 2**62): a send never waits for room
-        return True
 
     def abandon(self, reply: Any) -> None:
         """The caller gave up: abort the remote handler."""
@@ -121,7 +123,7 @@ class _Forwarder:
         for corr, pending in owner.asks.items():
             if pending is reply:
                 del owner.asks[corr]
-                owner.send_quietly(f.message(f.CANCEL, corr))
+                owner.send_quietly(f.CANCEL, corr)
                 return
 
     async def put(self, item: Item) -> bool:
@@ -145,13 +147,13 @@ class _Credit:
         self._taken += 1
         if self._taken >= self._window and self._corr in self._owner.streams:
             # Credit is best effort: if the process is gone, the stream fails on its own.
-            self._owner.send_quietly(f.header(f.CREDIT, self._corr) + f.count(self._taken))
+            self._owner.send_quietly(f.CREDIT, self._corr, f.count(self._taken))
             self._taken = 0
 
     def cancelled(self) -> None:
         owner = self._owner
         if owner.streams.pop(self._corr, None) is not None:
-            owner.send_quietly(f.message(f.CANCEL, self._corr))
+            owner.send_quietly(f.CANCEL, self._corr)
 
 
 class ProcessActor(Actor):
@@ -235,9 +237,7 @@ class ProcessActor(Actor):
     async def stopping(self, reason: ExitReason) -> None:
         self._stopping = True
         if self._alive():
-            self.send_quietly(
-                f.message(f.STOP, 0, msgspec.msgpack.encode((reason.kind, reason.detail or "")))
-            )
+            self.send_quietly(f.STOP, 0, msgspec.msgpack.encode((reason.kind, reason.detail or "")))
             for sig, budget in (
                 (None, self.options.stop_timeout),
                 (signal.SIGTERM, self.options.term_timeout),
@@ -341,9 +341,8 @@ class ProcessActor(Actor):
                 self._signal(signal.SIGKILL)
                 return
 
-    def _on_message(self, data: bytes | bytearray) -> None:
+    def _on_message(self, kind: int, corr: int, body: f.Body) -> None:
         self._last_seen = time.monotonic()
-        kind, corr, body = f.parse(data)
         if kind == f.REPLY:
             reply = self.asks.pop(corr, None)
             if reply is not None:
@@ -360,7 +359,7 @@ class ProcessActor(Actor):
                     channel.push_many(codec.decode_many(body))
                 except codec.CodecError as exc:
                     if self.streams.pop(corr, None) is not None:
-                        self.send_quietly(f.message(f.CANCEL, corr))
+                        self.send_quietly(f.CANCEL, corr)
                     channel.fail(exc)
                     return
             if kind == f.END:
@@ -393,12 +392,12 @@ class ProcessActor(Actor):
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def send_quietly(self, data: bytes) -> None:
+    def send_quietly(self, kind: int, corr: int, body: bytes = b"") -> None:
         """Send if the link is up: for best-effort messages (credit, cancel, stop) that lose
         their point once the process is gone."""
         if not self.wire.closed:
             with contextlib.suppress(LinkBroken):
-                self.wire.send(data)
+                self.wire.send(kind, corr, body)
 
     def _ready_done(self) -> bool:
         return self._ready is None or self._ready.done

@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import attrs
+import msgspec
 import psutil
 import pytest
 
@@ -27,6 +28,7 @@ from supervisors import (
     open_supervisor,
     process_child,
 )
+from tests.process.workers import Kept
 
 ECHO = "tests.process.workers:Echo"
 FAST = ProcessOptions(heartbeat_interval=0.05, heartbeat_timeout=0.5, stop_timeout=2.0)
@@ -72,6 +74,29 @@ async def test_child_on_trio(transport: Transport) -> None:
         with anyio.fail_after(5):
             while await ref.ask("aborted") != 1:
                 await anyio.sleep(0.01)
+
+
+@over_transports
+async def test_kept_messages_are_not_overwritten_by_later_ones(transport: Transport) -> None:
+    # Decoded Raw and memoryview fields point into the received bytes: a link must never hand
+    # over a view of a buffer it reuses for the next read, on either side.
+    async with open_supervisor([process_child("echo", ECHO, options=_fast(transport))]) as sup:
+        ref = await sup.child("echo")
+        sent = [
+            Kept(msgspec.Raw(msgspec.msgpack.encode(os.urandom(40))), memoryview(os.urandom(60)))
+            for _ in range(60)
+        ]
+        replies: list[Kept] = [await ref.ask(kept) for kept in sent[:20]]  # one frame a read
+
+        async def ask(kept: Kept) -> None:
+            replies.append(await ref.ask(kept))
+
+        async with anyio.create_task_group() as tg:  # a burst: many frames a read
+            for kept in sent[20:]:
+                tg.start_soon(ask, kept)
+        expected = [kept.contents() for kept in sent]
+        assert sorted(reply.contents() for reply in replies) == sorted(expected)
+        assert sorted(map(tuple, await ref.ask("kept"))) == sorted(expected)
 
 
 async def test_stream_producer_stays_within_its_credit() -> None:

@@ -10,8 +10,22 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 
 from actors import Actor, ReplyError
+from protocols import codec
+
+
+@codec.register
+class Kept(msgspec.Struct):
+    """Decoded into fields that point into the bytes it was decoded from (msgspec's zero-copy
+    types): kept after its message, it shows whether a link reused those bytes."""
+
+    raw: msgspec.Raw
+    view: memoryview
+
+    def contents(self) -> tuple[bytes, bytes]:
+        return bytes(self.raw), bytes(self.view)
 
 
 class Echo(Actor):
@@ -21,6 +35,7 @@ class Echo(Actor):
         self.aborted = 0
         self.stream_closed = 0
         self.produced = 0
+        self.kept: list[Kept] = []
 
     async def receive(self, message: Any) -> Any:
         match message:
@@ -43,6 +58,11 @@ class Echo(Actor):
                 return self.stream_closed
             case "produced":
                 return self.produced
+            case Kept():
+                self.kept.append(message)
+                return message
+            case "kept":
+                return [kept.contents() for kept in self.kept]
             case "reply-error":
                 raise ReplyError("no such thing")
             case "crash":
