@@ -265,11 +265,6 @@ class Incarnation:
                     raise
                 else:
                     extra.set(result)
-            elif kind == STREAM:
-                # Stream pumps share the actor's task group (one group per actor is cheaper
-                # than two); _wait_pumps gives them the graceful exit a group of their own would.
-                self._pumps += 1
-                streams.start_soon(self._pump, message, extra)
             elif kind == ASK_ABORTABLE and not extra.aborted:
                 # The caller (in another process) may abort it: extra.abort() cancels ``scope``
                 # while extra.scope is set; the actor itself goes on.
@@ -289,6 +284,11 @@ class Incarnation:
                     # Its abort cancelled the scope, but the handler returned: the next round
                     # gets a new scope.
                     return
+            elif kind == STREAM:
+                # Stream pumps share the actor's task group (one group per actor is cheaper
+                # than two); _wait_pumps gives them the graceful exit a group of their own would.
+                self._pumps += 1
+                streams.start_soon(self._pump, message, extra)
             budget -= 1
             if not budget:
                 budget = _FAIRNESS

@@ -311,6 +311,7 @@ class Link:
 
         self._wake, self._retry, self._run_soon_later = wake, retry, soon.unpark
         self._before_close = before_close
+        wait_readable = trio.lowlevel.wait_readable
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_soon)
             if self._flush_on_writable:
@@ -318,10 +319,11 @@ class Link:
             while self._error is None and not self.closed:
                 with trio.CancelScope() as scope:
                     while self._error is None and not self.closed:
-                        self._flush_backlog()
+                        if self._backlog:
+                            self._flush_backlog()
                         self.drain()
                         try:
-                            await trio.lowlevel.wait_readable(fd)
+                            await wait_readable(fd)
                         except trio.ClosedResourceError:
                             break
                 scope = None

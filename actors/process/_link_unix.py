@@ -227,14 +227,16 @@ class UnixLink(Link):
         sock = self._sock
         assert sock is not None
         buf, view, handle = self._buf, self._view, self._on_message
-        if self._end - self._start >= _PREFIX:
+        if self._end and self._end - self._start >= _PREFIX:
             self._handle_frames()  # left by a handler that raised
         while not self.closed:
             big, end = self._big, self._end
             if big is not None:
                 target = memoryview(big)[self._big_filled :]
+            elif end:
+                target = view[end:]
             else:
-                target = view[end:] if end else view
+                target = view
             try:
                 n = sock.recv_into(target)
             except BlockingIOError:
@@ -242,16 +244,16 @@ class UnixLink(Link):
             except OSError as exc:
                 self.peer_closed = True
                 raise _broken("receive", exc) from exc
-            if n == 0:
+            if not n:
                 self.peer_closed = True
                 raise LinkBroken("the peer closed the link")
-            if big is not None:
+            if target is view and n >= _HEAD_SIZE and n == _PREFIX + (head := _unpack_head(buf))[0]:
+                handle(head[1], head[2], buf[_HEAD_SIZE:n])  # one whole frame: the usual case
+            elif big is not None:
                 self._big_filled += n
                 if self._big_filled == len(big):
                     self._big = None
                     handle(*parse(big))
-            elif not end and n >= _HEAD_SIZE and n == _PREFIX + (head := _unpack_head(buf))[0]:
-                handle(head[1], head[2], buf[_HEAD_SIZE:n])  # one whole frame: the usual case
             else:
                 self._end = end + n
                 self._handle_frames()
