@@ -67,6 +67,7 @@ class UnixLink(Link):
     """One stream socket, connected to the peer's."""
 
     _flush_on_writable = True
+    _asker_reads = True
 
     def __init__(self, on_message: MessageHandler) -> None:
         super().__init__(on_message)

@@ -5,7 +5,8 @@ Its incarnation is one OS process. Callers' tells, asks and streams go straight 
 through its sentinel FD at once and fails every pending call; a silent process (SIGSTOP, a
 deadlock, a dead socket) is caught by the heartbeat timeout and killed. A unix link also tells
 when the child's end closes: a child that lives on without it is killed, a :class:`LinkBroken`
-failure.
+failure. (On trio, while no call waits, nobody reads the link: what arrived, a closed end
+included, is read at the next heartbeat check.)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import anyio
@@ -101,6 +103,8 @@ class _Forwarder:
         if kind == ASK:
             corr = next(_ids)
             owner.asks[corr] = extra
+            if owner.reader is not None:
+                extra.reader = owner.reader  # the asker may read its reply itself (trio)
             wire.send(f.ASK, corr, body)
         elif kind == TELL:
             wire.send(f.TELL, 0, body)
@@ -110,6 +114,7 @@ class _Forwarder:
             owner.streams[corr] = channel
             channel.hooks = _Credit(owner, corr, channel.capacity)
             wire.send(f.STREAM, corr, f.count(channel.capacity) + body)
+            wire.resume_reading()  # its items come unasked
         return True
 
     def put_nowait(self, item: Item) -> None:
@@ -185,6 +190,10 @@ class ProcessActor(Actor):
         self.exited = False  # _exited.is_set(), read on every call
         self._ready: Reply | None = None
         self.wire = new_link(self.options.transport, self._on_message)
+        # Only replies are awaited while no stream runs and the start is over: the link's task
+        # may then leave reading to askers (trio; see Link.read_for).
+        self.wire.idle = self._idle
+        self.reader: Callable[[Any], Awaitable[Any] | None] | None = None
 
     def inbox_override(self) -> _Forwarder:
         return self._forwarder
@@ -217,7 +226,10 @@ class ProcessActor(Actor):
                 self.process_name, opts.backend, opts.heartbeat_interval, os.getpid(), self._tmpdir
             )
         )
-        self._ready = backend().reply()
+        loop = backend()
+        self._ready = loop.reply()
+        if loop.name == "trio":
+            self.reader = self.wire.read_for
         self.start_soon(self._serve_link, name=f"{self.process_name} link")
         self._pid = await anyio.to_thread.run_sync(
             start_process,
@@ -336,6 +348,7 @@ class ProcessActor(Actor):
         opts = self.options
         while True:
             await anyio.sleep(opts.heartbeat_interval)
+            self.wire.drain_unread()  # heartbeats nobody read (no call waited)
             if time.monotonic() - self._last_seen > opts.heartbeat_timeout and self._alive():
                 self._kill_cause = f"no heartbeat for {opts.heartbeat_timeout} s"
                 self._signal(signal.SIGKILL)
@@ -398,6 +411,9 @@ class ProcessActor(Actor):
         if not self.wire.closed:
             with contextlib.suppress(LinkBroken):
                 self.wire.send(kind, corr, body)
+
+    def _idle(self) -> bool:
+        return not self.asks and not self.streams and self._ready_done()
 
     def _ready_done(self) -> bool:
         return self._ready is None or self._ready.done

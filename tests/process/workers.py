@@ -71,6 +71,9 @@ class Echo(Actor):
                 os._exit(3)
             case ("echo", value):
                 return value
+            case ("block", seconds):
+                time.sleep(seconds)  # noqa: ASYNC251 (blocks the loop: the link is not read)
+                return "blocked"
             case ("break-link", stall):
                 _shut_link_socket()
                 time.sleep(stall)  # noqa: ASYNC251 (blocks the loop: no reaction meanwhile)
