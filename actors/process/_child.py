@@ -71,8 +71,13 @@ def main(endpoints: list[str], factory: str, args: bytes, options: bytes) -> Non
         os.environ["TMPDIR"] = tempfile.tempdir = opts.tmpdir
     if opts.root_pid and os.getppid() == 1:
         os._exit(1)
+    backend, loop_options = opts.backend, None
+    if backend == "uvloop":
+        backend, loop_options = "asyncio", {"use_uvloop": True}
     try:
-        anyio.run(_serve, endpoints, factory, args, opts, backend=opts.backend)
+        anyio.run(
+            _serve, endpoints, factory, args, opts, backend=backend, backend_options=loop_options
+        )
     except LinkBroken:
         pass  # the parent is gone (before we connected): nobody to report to
     finally:

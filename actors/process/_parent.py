@@ -12,6 +12,7 @@ included, is read at the next heartbeat check.)
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import os
 import select
@@ -36,7 +37,7 @@ from actors._stream import StreamChannel
 from actors.process import _frames as f
 from actors.process._child import ChildOptions
 from actors.process._link import LinkBroken, Transport, new_link
-from actors.process._spawn import exit_code, start_process
+from actors.process._spawn import exit_code, preload, start_process
 from protocols import codec
 
 __all__ = ["ProcessActor", "ProcessDied", "ProcessOptions"]
@@ -55,7 +56,9 @@ class ProcessOptions:
 
     # "unix": a Unix-domain stream socket (the fastest); "ipc"/"tcp": ZMQ (tcp://127.0.0.1).
     transport: Transport = "unix"
-    backend: Literal["asyncio", "trio"] = "asyncio"  # the child's event loop
+    # The child's event loop; "uvloop": asyncio on uvloop's loop (the uvloop extra), which halves
+    # what the child spends on a round trip.
+    backend: Literal["asyncio", "trio", "uvloop"] = "asyncio"
     start_timeout: float = 60.0
     heartbeat_interval: float = 0.2
     heartbeat_timeout: float = 3.0  # no frame for this long: the child is hung, kill it
@@ -217,6 +220,10 @@ class ProcessActor(Actor):
 
     async def _start(self) -> None:
         opts = self.options
+        if opts.backend == "uvloop":
+            if importlib.util.find_spec("uvloop") is None:
+                raise ValueError("ProcessOptions(backend='uvloop') needs uvloop installed")
+            preload(["uvloop"])
         endpoints = self.wire.bind(f"{next(_ids)}")
         # The child's temporary files (its sockets among them) go to a directory of its own,
         # removed once it is gone: a SIGKILLed child cannot clean up after itself.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import attrs
@@ -61,11 +62,19 @@ async def test_tell_ask_stream_across_processes(transport: Transport) -> None:
             assert [r async for r in replies] == list(range(3000))
 
 
+_UVLOOP = importlib.util.find_spec("uvloop") is not None
+
+
 @over_transports
-async def test_child_on_trio(transport: Transport) -> None:
-    opts = attrs.evolve(_fast(transport), backend="trio")
+@pytest.mark.parametrize(
+    "loop",
+    ["trio", pytest.param("uvloop", marks=pytest.mark.skipif(not _UVLOOP, reason="no uvloop"))],
+)
+async def test_child_on_other_loops(transport: Transport, loop: Literal["trio", "uvloop"]) -> None:
+    opts = attrs.evolve(_fast(transport), backend=loop)
     async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
         ref = await sup.child("echo")
+        assert await ref.ask("loop") == loop
         blob = os.urandom(4 * 1024 * 1024)
         assert await ref.ask(("echo", blob), timeout=30) == blob
         async with ref.stream(("count", 3000), buffer=64) as replies:
@@ -293,6 +302,15 @@ async def test_child_failing_or_exiting_during_start(transport: Transport) -> No
         ):
             pass
     assert isinstance(exited.value.cause, ProcessDied)
+
+
+@pytest.mark.skipif(_UVLOOP, reason="uvloop is installed")
+async def test_uvloop_child_without_uvloop_fails_its_start() -> None:
+    opts = attrs.evolve(FAST, backend="uvloop")
+    with pytest.raises(ChildStartFailed) as failed:
+        async with open_supervisor([process_child("x", ECHO, options=opts)]):
+            pass
+    assert "needs uvloop" in str(failed.value.cause)
 
 
 async def test_child_that_never_connects_fails_its_start_in_time() -> None:

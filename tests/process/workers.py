@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -11,6 +12,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import msgspec
+import sniffio
 
 from actors import Actor, ReplyError
 from protocols import codec
@@ -41,6 +43,10 @@ class Echo(Actor):
         match message:
             case "pid":
                 return os.getpid()
+            case "loop":  # the event loop's module: asyncio, uvloop or trio
+                if sniffio.current_async_library() == "trio":
+                    return "trio"
+                return type(asyncio.get_running_loop()).__module__.partition(".")[0]
             case "greeting":
                 return self.greeting
             case "told":
