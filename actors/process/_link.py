@@ -331,6 +331,8 @@ class Link:
         self._wake, self._retry, self._run_soon_later = wake, retry, soon.unpark
         self._before_close = before_close
         wait_readable = trio.lowlevel.wait_readable
+        # Standing by leaves reading to askers: only where they may (see read_for).
+        idle = self.idle if self._asker_reads else _never
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_soon)
@@ -343,7 +345,7 @@ class Link:
                                 self._flush_backlog()
                             if self._reader is None:
                                 self.drain()
-                            if self._reader is not None or self.idle():
+                            if self._reader is not None or idle():
                                 await standby.park()  # an asker reads, or nothing is awaited
                                 continue
                             self._reader = self

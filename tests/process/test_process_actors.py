@@ -112,8 +112,10 @@ async def test_kept_messages_are_not_overwritten_by_later_ones(transport: Transp
 @over_transports
 async def test_asks_and_streams_interleave(transport: Transport) -> None:
     # On trio a lone asker reads its reply off the socket itself while nothing else is awaited,
-    # and the link's task reads while a stream runs or other asks wait (see Link.read_for).
-    async with open_supervisor([process_child("echo", ECHO, options=_fast(transport))]) as sup:
+    # and the link's task reads while a stream runs or other asks wait (see Link.read_for). No
+    # heartbeat comes meanwhile (its check reads what nobody did).
+    opts = attrs.evolve(_fast(transport), heartbeat_interval=60.0, heartbeat_timeout=120.0)
+    async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
         ref = await sup.child("echo")
 
         async def asks(n: int) -> None:
