@@ -106,8 +106,8 @@ class _Forwarder:
         if kind == ASK:
             corr = next(_ids)
             owner.asks[corr] = extra
-            if owner.reader is not None:
-                extra.reader = owner.reader  # the asker may read its reply itself (trio)
+            if owner.reply_reader is not None:
+                extra.reader = owner.reply_reader  # the asker may read its reply itself (trio)
             wire.send(f.ASK, corr, body)
         elif kind == TELL:
             wire.send(f.TELL, 0, body)
@@ -196,7 +196,7 @@ class ProcessActor(Actor):
         # Only replies are awaited while no stream runs and the start is over: the link's task
         # may then leave reading to askers (trio; see Link.read_for).
         self.wire.idle = self._idle
-        self.reader: Callable[[Any], Awaitable[Any] | None] | None = None
+        self.reply_reader: Callable[[Any], Awaitable[Any] | None] | None = None
 
     def inbox_override(self) -> _Forwarder:
         return self._forwarder
@@ -236,7 +236,7 @@ class ProcessActor(Actor):
         loop = backend()
         self._ready = loop.reply()
         if loop.name == "trio":
-            self.reader = self.wire.read_for
+            self.reply_reader = self.wire.read_for
         self.start_soon(self._serve_link, name=f"{self.process_name} link")
         self._pid = await anyio.to_thread.run_sync(
             start_process,
