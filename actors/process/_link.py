@@ -365,8 +365,8 @@ class Link:
         by reading the socket in the asker's own task, if nobody waits on it now; ``None``
         otherwise (the asker parks as usual).
 
-        Read by the link's task, a reply costs its asker a wake-up and trio a scheduling round
-        (a fifth of a round trip here); read by the asker, one wait. The link's task stands by
+        Read by the link's task, a reply costs its asker a wake-up and trio a scheduling round;
+        read by the asker, one wait. The link's task stands by
         while nothing but replies is awaited (:attr:`idle`) and reads again once an asker
         leaves with something else pending. A reply settled another way while its asker waits
         on the socket (a timeout, a crash) ends that wait through ``notify_closing``, trio's
