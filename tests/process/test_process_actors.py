@@ -306,8 +306,10 @@ async def test_child_failing_or_exiting_during_start(transport: Transport) -> No
     assert isinstance(exited.value.cause, ProcessDied)
 
 
-@pytest.mark.skipif(_UVLOOP, reason="uvloop is installed")
-async def test_uvloop_child_without_uvloop_fails_its_start() -> None:
+async def test_uvloop_child_without_uvloop_fails_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed
     opts = attrs.evolve(FAST, backend="uvloop")
     with pytest.raises(ChildStartFailed) as failed:
         async with open_supervisor([process_child("x", ECHO, options=opts)]):
