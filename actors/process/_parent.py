@@ -66,6 +66,12 @@ class ProcessOptions:
     term_timeout: float = 2.0  # SIGTERM, then SIGKILL
 
 
+def default_loop() -> Literal["asyncio", "uvloop"]:
+    """``"uvloop"`` where uvloop is installed, else ``"asyncio"``: the event loop a serving
+    tree's workers and ``actorserve run``'s root use unless told otherwise."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
 class ProcessDied(Exception):
     """The actor's OS process ended without the actor exiting cleanly."""
 
