@@ -28,7 +28,9 @@ class Parking(Protocol):
 
     def unpark(self) -> None: ...
 
-    async def park(self) -> None: ...
+    def park(self) -> Awaitable[None]:
+        """Await it at once to wait (a future or trio's wait itself: no coroutine of ours)."""
+        ...
 
 
 class Reply(Protocol):
@@ -76,14 +78,11 @@ class _AioParking:
             if not fut.done():
                 fut.set_result(None)
 
-    async def park(self) -> None:
+    def park(self) -> Awaitable[None]:
+        # A waiter cancelled meanwhile leaves its future here, done: unpark skips it.
         fut: asyncio.Future[None] = _Future(loop=self._loop)
         self._fut = fut
-        try:
-            await fut
-        finally:
-            if self._fut is fut:
-                self._fut = None
+        return fut
 
 
 class _AioReply:

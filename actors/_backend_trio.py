@@ -6,7 +6,7 @@ an attribute walk through ``trio.lowlevel`` nor a lookup of the backend per call
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from outcome import Error, Value
@@ -15,10 +15,10 @@ from trio.lowlevel import Abort, checkpoint, current_task, reschedule, wait_task
 from actors._backend import Parking, Reply
 from actors._timeouts import Deadlines, trio_deadlines
 
-__all__ = ["TrioBackend"]
+__all__ = ["ABANDONED", "TrioBackend"]
 
 _PENDING: Any = object()
-_ABANDONED = TimeoutError("the waiter was cancelled")
+ABANDONED = TimeoutError("the waiter was cancelled")
 _SUCCEEDED = Abort.SUCCEEDED
 
 
@@ -38,19 +38,23 @@ class _TrioParking:
         self._task = None
         return _SUCCEEDED
 
-    async def park(self) -> None:
+    def park(self) -> Awaitable[None]:
         self._task = current_task()
-        await wait_task_rescheduled(self._abort)
+        return wait_task_rescheduled(self._abort)  # noqa: ASYNC105 (awaited by the parker)
 
 
 class _TrioReply:
-    __slots__ = ("_deadlines", "_error", "_task", "_value")
+    __slots__ = ("_deadlines", "_error", "_task", "_value", "kick", "reader")
 
     def __init__(self, deadlines: Deadlines) -> None:
         self._value: Any = _PENDING
         self._error: BaseException | None = None
         self._task: Any = None
         self._deadlines = deadlines
+        # Set by a process actor's link: it may wait for the reply by reading the socket in the
+        # waiter's task (see Link.read_for); then ``kick`` ends that wait.
+        self.reader: Callable[[_TrioReply], Awaitable[Any] | None] | None = None
+        self.kick: Callable[[], None] | None = None
 
     def set(self, value: Any) -> None:
         if self._value is _PENDING and self._error is None:
@@ -59,6 +63,8 @@ class _TrioReply:
             if task is not None:
                 self._task = None
                 reschedule(task, Value(value))
+            elif self.kick is not None:
+                self.kick()
 
     def fail(self, error: BaseException) -> None:
         if self._value is _PENDING and self._error is None:
@@ -67,6 +73,8 @@ class _TrioReply:
             if task is not None:
                 self._task = None
                 reschedule(task, Error(error))
+            elif self.kick is not None:
+                self.kick()
 
     @property
     def done(self) -> bool:
@@ -79,13 +87,17 @@ class _TrioReply:
         self._task = None
         # The waiter is gone (cancelled): done, so a pending deadline does not outlive it.
         if self._value is _PENDING and self._error is None:
-            self._error = _ABANDONED
+            self._error = ABANDONED
         return _SUCCEEDED
 
     def wait(self, timeout: float | None) -> Awaitable[Any]:
         if self._value is _PENDING and self._error is None:
             if timeout is not None:
                 self._deadlines.add(timeout, self)
+            if self.reader is not None:
+                reading = self.reader(self)
+                if reading is not None:
+                    return reading
             self._task = current_task()
             # set and fail hand their outcome to trio's own wait: no coroutine of ours between.
             return wait_task_rescheduled(self._abort)  # noqa: ASYNC105 (awaited by the asker)

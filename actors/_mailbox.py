@@ -82,7 +82,9 @@ class Mailbox:
             return
         self.items.append(item)
         self.put_count += 1
-        self.wake()
+        if self._parked:  # as in try_put: wake, inlined (a process actor's every message)
+            self._parked = False
+            self._receiver.unpark()
 
     async def put(self, item: Item) -> bool:
         """Queue ``item``, waiting for room; ``False`` if the mailbox closed meanwhile."""

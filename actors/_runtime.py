@@ -296,11 +296,6 @@ class Incarnation:
                     raise
                 else:
                     extra.set(result)
-            elif kind == STREAM:
-                # Stream pumps share the actor's task group (one group per actor is cheaper
-                # than two); _wait_pumps gives them the graceful exit a group of their own would.
-                self._pumps += 1
-                streams.start_soon(self._pump, message, extra)
             elif kind == ASK_ABORTABLE and scope is not None and not extra.aborted:
                 # The caller (in another process) may abort it: extra.abort() cancels ``scope``
                 # while extra.scope is set; the actor itself goes on.
@@ -316,8 +311,15 @@ class Incarnation:
                     extra.set(result)  # a no-op if it was aborted
                 finally:
                     extra.scope = None
-                if scope.cancel_called:
-                    return True  # aborted, but the handler returned: a new round, a new scope
+                if extra.aborted:
+                    # Its abort cancelled the scope, but the handler returned: the next round
+                    # gets a new scope.
+                    return True
+            elif kind == STREAM:
+                # Stream pumps share the actor's task group (one group per actor is cheaper
+                # than two); _wait_pumps gives them the graceful exit a group of their own would.
+                self._pumps += 1
+                streams.start_soon(self._pump, message, extra)
             budget -= 1
             if not budget:
                 budget = _FAIRNESS

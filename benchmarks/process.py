@@ -1,6 +1,6 @@
 """Process actors: round trip, stream throughput, death detection and restart, against raw sockets.
 
-    python -m benchmarks.process [--quick] [--backend trio] [--child-backend trio]
+    python -m benchmarks.process [--quick] [--backend trio] [--child-backend trio|uvloop]
 
 Prints a table, then one JSON line. For the default transport (unix: a Unix-domain stream
 socket): proc_ask_rtt_us_p50, proc_ask_rtt_us_p99, proc_stream_chunks_per_s (a chunk = 16 token
@@ -303,7 +303,7 @@ async def measure(quick: bool, child_backend: str) -> dict[str, float]:
     for transport, suffix in transports:
         options = ProcessOptions(
             transport=transport,
-            backend="trio" if child_backend == "trio" else "asyncio",
+            backend=child_backend,  # type: ignore[arg-type]  # one of argparse's choices
             heartbeat_interval=0.5,
             heartbeat_timeout=10.0,
         )
@@ -333,8 +333,9 @@ def main() -> None:
     parser.add_argument(
         "--child-backend",
         default="asyncio",
-        choices=["asyncio", "trio"],
-        help="the actor process's event loop (the default ProcessOptions: asyncio)",
+        choices=["asyncio", "trio", "uvloop"],
+        help="the actor process's event loop (the default ProcessOptions: asyncio; uvloop: "
+        "asyncio on uvloop's loop, the uvloop extra)",
     )
     args = parser.parse_args()
     measured = anyio.run(measure, args.quick, args.child_backend, backend=args.backend)

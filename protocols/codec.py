@@ -45,7 +45,9 @@ _envelope = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
 _plain = msgspec.msgpack.Decoder()
 _batch = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
 _mixed = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_PLAIN_PREFIX = b"\x92\xa0"  # a 2-array whose tag is the empty string
+# Plain data starts with a 2-array whose tag is the empty string (checked byte by byte: slicing
+# a view makes another).
+_PAIR, _PLAIN_TAG = 0x92, 0xA0
 _MIXED = "*"  # the tag of a mixed batch (no registered type may use it)
 _converter = cattrs.preconf.msgspec.make_converter()
 
@@ -102,15 +104,15 @@ def encode(message: Any) -> bytes:
         raise _unencodable(cls.__name__, exc) from None
 
 
-def decode(data: bytes | memoryview) -> Any:
+def decode(data: bytes | bytearray | memoryview) -> Any:
     try:
-        if data[:2] == _PLAIN_PREFIX:
+        if data[1] == _PLAIN_TAG and data[0] == _PAIR:
             return _plain.decode(data)[1]  # plain data: one decoder call
         tag, raw = _envelope.decode(data)
         if not tag:
             return _plain.decode(raw)
         return _payload_decoder(tag)(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as exc:
         raise CodecError(f"malformed message: {exc}") from None
 
 
@@ -131,10 +133,10 @@ def encode_many(messages: list[Any]) -> bytes:
     return _encoder.encode((_MIXED, [msgspec.Raw(encode(m)) for m in messages]))
 
 
-def decode_many(data: bytes | memoryview) -> list[Any]:
+def decode_many(data: bytes | bytearray | memoryview) -> list[Any]:
     """The messages of an :func:`encode_many` blob."""
     try:
-        if data[:2] == _PLAIN_PREFIX:
+        if data[1] == _PLAIN_TAG and data[0] == _PAIR:
             messages = _plain.decode(data)[1]
             if not isinstance(messages, list):
                 raise CodecError("malformed batch: not a list")
@@ -149,7 +151,7 @@ def decode_many(data: bytes | memoryview) -> list[Any]:
             decoded: list[Any] = _list_decoder(cls).decode(raw)
             return decoded
         return [_converter.structure(m, cls) for m in _plain_list(raw)]
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as exc:
         raise CodecError(f"malformed batch: {exc}") from None
 
 
@@ -192,7 +194,7 @@ def encode_error(error: BaseException) -> bytes:
     return _encoder.encode(("error", name, str(error)))
 
 
-def decode_error(data: bytes | memoryview) -> BaseException:
+def decode_error(data: bytes | bytearray | memoryview) -> BaseException:
     try:
         kind, name, message = _plain.decode(data)
     except (msgspec.DecodeError, ValueError) as exc:

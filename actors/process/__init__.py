@@ -8,11 +8,19 @@ is detected through the process sentinel, hangs through heartbeats, a closed soc
 
 from actors._errors import ReplyError
 from actors.process._link import LinkBroken, Transport
-from actors.process._parent import ProcessActor, ProcessDied, ProcessOptions
+from actors.process._parent import ProcessActor, ProcessDied, ProcessOptions, default_loop
 from actors.process._spawn import preload
 from protocols import codec
 
 # A handler's ReplyError crosses the boundary as itself.
 codec.register_error(ReplyError, "actors.ReplyError")
 
-__all__ = ["LinkBroken", "ProcessActor", "ProcessDied", "ProcessOptions", "Transport", "preload"]
+__all__ = [
+    "LinkBroken",
+    "ProcessActor",
+    "ProcessDied",
+    "ProcessOptions",
+    "Transport",
+    "default_loop",
+    "preload",
+]

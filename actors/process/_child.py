@@ -72,8 +72,13 @@ def main(endpoints: list[str], factory: str, args: bytes, options: bytes) -> Non
         os.environ["TMPDIR"] = tempfile.tempdir = opts.tmpdir
     if opts.root_pid and os.getppid() == 1:
         os._exit(1)
+    backend, loop_options = opts.backend, None
+    if backend == "uvloop":
+        backend, loop_options = "asyncio", {"use_uvloop": True}
     try:
-        anyio.run(_serve, endpoints, factory, args, opts, backend=opts.backend)
+        anyio.run(
+            _serve, endpoints, factory, args, opts, backend=backend, backend_options=loop_options
+        )
     except LinkBroken:
         pass  # the parent is gone (before we connected): nobody to report to
     finally:
@@ -84,19 +89,18 @@ def main(endpoints: list[str], factory: str, args: bytes, options: bytes) -> Non
 class _RemoteReply:
     """Answers an ask over the socket; the parent's CANCEL aborts the running handler."""
 
-    __slots__ = ("_corr", "_done", "_link", "_pending", "aborted", "scope")
+    __slots__ = ("_corr", "_done", "_server", "aborted", "scope")
 
-    def __init__(self, link: Link, corr: int, pending: dict[int, _RemoteReply]) -> None:
-        self._link = link
+    def __init__(self, server: _Server, corr: int) -> None:
+        self._server = server
         self._corr = corr
         self._done = False
-        self._pending = pending
         self.aborted = False
         self.scope: anyio.CancelScope | None = None
 
     def abort(self) -> None:
         self.aborted = self._done = True
-        self._pending.pop(self._corr, None)
+        self._server.asks.pop(self._corr, None)
         if self.scope is not None:
             self.scope.cancel()
 
@@ -108,21 +112,23 @@ class _RemoteReply:
         if self._done:
             return
         self._done = True
-        self._pending.pop(self._corr, None)
+        server, corr = self._server, self._corr
+        server.asks.pop(corr, None)
         try:
             body = codec.encode(value)
         except codec.CodecError as exc:
-            self._link.send(f.message(f.ERROR, self._corr, codec.encode_error(exc)))
+            server.link.send(f.ERROR, corr, codec.encode_error(exc))
             return
-        self._link.send(f.header(f.REPLY, self._corr) + body)
+        server.link.send(f.REPLY, corr, body)
 
     def fail(self, error: BaseException) -> None:
         if isinstance(error, ActorCrashed):
             return  # the actor is dying: the parent fails every pending call on its EXIT
         if not self._done:
             self._done = True
-            self._pending.pop(self._corr, None)
-            self._link.send(f.message(f.ERROR, self._corr, codec.encode_error(error)))
+            server = self._server
+            server.asks.pop(self._corr, None)
+            server.link.send(f.ERROR, self._corr, codec.encode_error(error))
 
     async def wait(self, timeout: float | None) -> Any:  # never awaited in the child
         raise NotImplementedError
@@ -171,9 +177,9 @@ class _RemoteChannel(StreamChannel):
         try:
             body = codec.encode_many(batch) if batch else b""
         except codec.CodecError as exc:
-            self._link.send(f.message(f.ERROR, self._corr, codec.encode_error(exc)))
+            self._link.send(f.ERROR, self._corr, codec.encode_error(exc))
             return False
-        self._link.send(f.header(kind, self._corr) + body)
+        self._link.send(kind, self._corr, body)
         return True
 
     def finish(self) -> None:
@@ -189,7 +195,7 @@ class _RemoteChannel(StreamChannel):
             self.finished = True
             self._servers.pop(self._corr, None)
             if not self._batch or self._send_batch(f.ITEMS):
-                self._link.send(f.message(f.ERROR, self._corr, codec.encode_error(error)))
+                self._link.send(f.ERROR, self._corr, codec.encode_error(error))
 
     def cancel(self) -> None:
         self._servers.pop(self._corr, None)
@@ -204,11 +210,10 @@ class _Server:
         self.asks: dict[int, _RemoteReply] = {}
         self.link = connect_link(endpoints, self.on_message)
 
-    def on_message(self, data: bytes | bytearray) -> None:
-        kind, corr, body = f.parse(data)
+    def on_message(self, kind: int, corr: int, body: f.Body) -> None:
         mailbox = self.inc.mailbox
         if kind == f.ASK:
-            reply = self.asks[corr] = _RemoteReply(self.link, corr, self.asks)
+            reply = self.asks[corr] = _RemoteReply(self, corr)
             mailbox.put_system((ASK_ABORTABLE, codec.decode(body), reply))
         elif kind == f.TELL:
             mailbox.put_system((TELL, codec.decode(body), None))
@@ -244,9 +249,8 @@ class _Server:
             self.inc.request_stop(ExitReason.shutdown("the parent closed the link"))
 
     async def heartbeat(self, interval: float) -> None:
-        beat = f.message(f.HEARTBEAT)
         while True:
-            self.link.send(beat)
+            self.link.send(f.HEARTBEAT)
             await anyio.sleep(interval)
 
 
@@ -257,7 +261,7 @@ async def _stop_on_sigterm(inc: Incarnation) -> None:
             inc.request_stop(ExitReason.shutdown("SIGTERM"))
 
 
-def _ignore(data: bytes | bytearray) -> None:
+def _ignore(kind: int, corr: int, body: f.Body) -> None:
     pass
 
 
@@ -273,7 +277,7 @@ async def _serve(endpoints: list[str], factory: str, args: bytes, opts: ChildOpt
         inc = Incarnation(actor, ref)
     except Exception as exc:
         link = connect_link(endpoints, _ignore)
-        link.send(f.message(f.START_FAILED, 0, codec.encode_error(exc)))
+        link.send(f.START_FAILED, 0, codec.encode_error(exc))
         link.close(linger=_LAST_WORDS_S)
         return
     server = _Server(inc, endpoints)
@@ -283,7 +287,7 @@ async def _serve(endpoints: list[str], factory: str, args: bytes, opts: ChildOpt
             try:
                 await inc.ready.wait(None)
             except Exception as exc:
-                server.link.send(f.message(f.START_FAILED, 0, codec.encode_error(exc)))
+                server.link.send(f.START_FAILED, 0, codec.encode_error(exc))
                 return
             # Started: what is alive now (modules, the actor and its engine) lives as long as the
             # process, so the cyclic GC stops walking it: a full collection of an engine worker
@@ -292,10 +296,10 @@ async def _serve(endpoints: list[str], factory: str, args: bytes, opts: ChildOpt
             tg.start_soon(server.serve)
             tg.start_soon(server.heartbeat, opts.heartbeat_interval)
             tg.start_soon(_stop_on_sigterm, inc)
-            server.link.send(f.message(f.READY))
+            server.link.send(f.READY)
             await inc.finished.wait()
             assert inc.exit_reason is not None
-            server.link.send(f.message(f.EXIT, 0, _reason_bytes(inc.exit_reason)))
+            server.link.send(f.EXIT, 0, _reason_bytes(inc.exit_reason))
             tg.cancel_scope.cancel()
     finally:
         server.link.close(linger=_LAST_WORDS_S)

@@ -1,4 +1,9 @@
-"""The link between a parent and its process actor: byte messages over sockets, read by a callback.
+"""The link between a parent and its process actor: messages over sockets, read by a callback.
+
+A message is a kind, a correlation id and a body (see :mod:`actors.process._frames`): each
+transport frames the three its own way, so a send packs them in one go. A received body is the
+handler's to keep: never a view of a buffer the link reuses (a decoded ``msgspec.Raw`` or
+``memoryview`` field would still point into it).
 
 Two transports behind one :class:`Link`:
 
@@ -12,7 +17,8 @@ Two transports behind one :class:`Link`:
 On asyncio the receiving FD is registered once with ``loop.add_reader`` and messages are handled
 in the reader callback itself: a reply resolves its caller's future with no task switch. On trio a
 task waits on the FD, under one cancel scope for many waits (one per wait would cost about a
-tenth of a round trip).
+tenth of a round trip); while only replies are awaited, it stands by and a lone asker reads its
+reply off the socket itself (:meth:`Link.read_for`).
 
 A send never blocks: what the socket will not take yet waits in a backlog, flushed as the socket
 becomes writable (unix) or on a timer (ZMQ, whose FD only signals input). A link breaks when its
@@ -29,18 +35,21 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, Literal
 
 import sniffio
 
-from actors._backend import backend
+from actors._backend import Parking, backend
 from actors._errors import ActorError
+from actors.process._frames import Body
 
 __all__ = ["Link", "LinkBroken", "Transport", "connect_link", "new_link"]
 
 Transport = Literal["unix", "ipc", "tcp"]
-MessageHandler = Callable[[bytes | bytearray], None]
+# (kind, corr, body): the body is the handler's to keep (see the module docstring).
+MessageHandler = Callable[[int, int, Body], None]
 Chunk = bytes | bytearray | memoryview
 
 _BACKLOG_RETRY_S = 0.001
@@ -89,6 +98,9 @@ class Link:
 
     # Flush the backlog when the FD is writable (else retry on a timer).
     _flush_on_writable = False
+    # trio: an asker may wait on the FD for its own reply (see read_for). Not over ZMQ, whose FD
+    # signals edges: an asker arriving after an unread message would wait for nothing.
+    _asker_reads = False
 
     def __init__(self, on_message: MessageHandler) -> None:
         self._fd = -1  # waited on for input (and for room to send, with _flush_on_writable)
@@ -108,6 +120,14 @@ class Link:
         self._soon: list[Callable[[], None]] = []
         self._run_soon_later: Callable[[], None] = _nothing
         self._before_close: Callable[[], None] = _nothing
+        # trio: who waits on the FD now (the link's task, an asker, or nobody), and where the
+        # link's task stands by meanwhile (see read_for).
+        self._reader: object | None = None
+        self._standby: Parking | None = None
+        self._kick: Callable[[], None] = _nothing
+        # Set by the owner: nothing it awaits can arrive unasked (no stream, no start), so the
+        # link's task may stand by and leave reading to a lone asker.
+        self.idle: Callable[[], bool] = _never
 
     # -- the transport's part ----------------------------------------------------------------
 
@@ -118,7 +138,7 @@ class Link:
     def connect(self, endpoints: list[str]) -> None:
         raise NotImplementedError
 
-    def send(self, data: bytes) -> None:
+    def send(self, kind: int, corr: int = 0, body: bytes = b"") -> None:
         """Queue one message (never blocks); ``LinkBroken`` once the link is closed. On a broken
         link the message is dropped: :meth:`run` raises the error."""
         raise NotImplementedError
@@ -269,13 +289,16 @@ class Link:
         scope: trio.CancelScope | None = None
         soon = backend().parking()
         writer = backend().parking()
+        standby = self._standby = backend().parking()
         fd = self._fd
+        self._kick = partial(trio.lowlevel.notify_closing, fd)
 
         def wake() -> None:
             if scope is not None:
                 scope.cancel()
             soon.unpark()
             writer.unpark()
+            standby.unpark()
 
         def retry() -> None:
             if self._flush_on_writable:
@@ -285,6 +308,7 @@ class Link:
 
         def before_close() -> None:
             trio.lowlevel.notify_closing(fd)  # a waiter gets ClosedResourceError
+            standby.unpark()
 
         async def run_soon() -> None:
             while True:
@@ -298,27 +322,101 @@ class Link:
                     try:
                         await trio.lowlevel.wait_writable(fd)
                     except trio.ClosedResourceError:
-                        return
+                        if self.closed:
+                            return
+                        continue  # an asker reading the FD was kicked (see read_for)
                     self._flush_backlog()
                 await writer.park()
 
         self._wake, self._retry, self._run_soon_later = wake, retry, soon.unpark
         self._before_close = before_close
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_soon)
-            if self._flush_on_writable:
-                nursery.start_soon(flush_when_writable)
-            while self._error is None and not self.closed:
-                with trio.CancelScope() as scope:
-                    while self._error is None and not self.closed:
-                        self._flush_backlog()
-                        self.drain()
-                        try:
-                            await trio.lowlevel.wait_readable(fd)
-                        except trio.ClosedResourceError:
-                            break
-                scope = None
-            nursery.cancel_scope.cancel()
+        wait_readable = trio.lowlevel.wait_readable
+        # Standing by leaves reading to askers: only where they may (see read_for).
+        idle = self.idle if self._asker_reads else _never
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_soon)
+                if self._flush_on_writable:
+                    nursery.start_soon(flush_when_writable)
+                while self._error is None and not self.closed:
+                    with trio.CancelScope() as scope:
+                        while self._error is None and not self.closed:
+                            if self._backlog:
+                                self._flush_backlog()
+                            if self._reader is None:
+                                self.drain()
+                            if self._reader is not None or idle():
+                                await standby.park()  # an asker reads, or nothing is awaited
+                                continue
+                            self._reader = self
+                            try:
+                                await wait_readable(fd)
+                            except trio.ClosedResourceError:
+                                break
+                            finally:
+                                self._reader = None
+                    scope = None
+                nursery.cancel_scope.cancel()
+        finally:
+            self._standby = None
+
+    def read_for(self, reply: Any) -> Awaitable[Any] | None:
+        """trio: an awaitable that waits for ``reply`` (the trio reply of an ask over this link)
+        by reading the socket in the asker's own task, if nobody waits on it now; ``None``
+        otherwise (the asker parks as usual).
+
+        Read by the link's task, a reply costs its asker a wake-up and trio a scheduling round;
+        read by the asker, one wait. The link's task stands by
+        while nothing but replies is awaited (:attr:`idle`) and reads again once an asker
+        leaves with something else pending. A reply settled another way while its asker waits
+        on the socket (a timeout, a crash) ends that wait through ``notify_closing``, trio's
+        public way to wake a waiter with ``ClosedResourceError``: the socket stays open (trio
+        registers a waited-on FD afresh), and the link's writer task waits again if woken too.
+        """
+        if not self._asker_reads or self._reader is not None or self._standby is None:
+            return None
+        if self._error is not None or self.closed:
+            return None
+        return self._read_for(reply)
+
+    async def _read_for(self, reply: Any) -> Any:
+        import trio
+
+        from actors._backend_trio import ABANDONED
+
+        self._reader = reply
+        fd, kick = self._fd, self._kick
+        try:
+            while not reply.done and self._error is None and not self.closed:
+                reply.kick = kick
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                except trio.ClosedResourceError:
+                    pass  # kicked (its reply was settled another way), or the link is closing
+                finally:
+                    reply.kick = None
+                self.drain()
+        except BaseException:
+            reply.fail(ABANDONED)  # cancelled: done, so its deadline does not outlive it
+            raise
+        finally:
+            self._reader = None
+            if self._standby is not None and not self.idle():
+                self._standby.unpark()  # something else is awaited: the link's task reads
+        reply.reader = None
+        return await reply.wait(None)  # its outcome, or parked until the link's task has it
+
+    def resume_reading(self) -> None:
+        """trio: something that arrives unasked is now awaited (a stream's items): the link's
+        task reads again, once no asker does."""
+        if self._standby is not None:
+            self._standby.unpark()
+
+    def drain_unread(self) -> None:
+        """Handle what arrived while nobody read (trio: the link's task stood by, no asker
+        waited); a no-op while a task waits on the socket."""
+        if self._reader is None and self._standby is not None:
+            self.drain()
 
     def close(self, linger: float = 0) -> None:
         """Close the sockets; ``linger`` seconds let queued messages (a last EXIT) go out."""
@@ -330,3 +428,7 @@ class Link:
 
 def _nothing() -> None:
     pass
+
+
+def _never() -> bool:
+    return False

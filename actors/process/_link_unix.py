@@ -9,14 +9,17 @@ Each message travels as a frame: a 4-byte big-endian length, then the message (t
 header and body; that header has no length, the stream needs one).
 
 Reading: one ``recv_into`` fills a 256 KiB buffer and every complete frame in it is handled in
-that wake-up. A frame cut by the end of a read waits for the next one (moved to the front of the
-buffer if it would not fit where it is); a frame larger than the buffer gets a buffer of its own,
+that wake-up, its body handed over as a copy (a view of the buffer, reused by the next read,
+could outlive the handler: a decoded ``msgspec.Raw`` field points into what it was decoded
+from). A frame cut by the end of a read waits for the next one (moved to the front of the buffer
+if it would not fit where it is); a frame larger than the buffer gets a buffer of its own,
 received into directly and handed over without a copy. A read that leaves room in the buffer
 means the socket is empty, so no second ``recv`` meets EAGAIN (1.7 us here).
 
-Writing: a small message is copied behind its length and sent with one syscall; a large one goes
-out as length and message in one ``sendmsg``, without a copy. What the socket does not take waits
-in the backlog, sent as the socket becomes writable (``sendmsg`` of many pieces at once).
+Writing: length and header are packed in one go; a small message's body is copied behind them and
+sent with one syscall, a large one goes out with them in one ``sendmsg``, without a copy. What the
+socket does not take waits in the backlog, sent as the socket becomes writable (``sendmsg`` of many
+pieces at once).
 
 A peer that closes its end (EOF, ECONNRESET, EPIPE on a send) breaks the link: :meth:`run` raises
 :class:`LinkBroken` at once.
@@ -35,14 +38,20 @@ from itertools import islice
 
 import anyio
 
+from actors.process._frames import HEADER_SIZE as _HEADER_SIZE
+from actors.process._frames import parse
 from actors.process._link import Link, LinkBroken, MessageHandler
 
 __all__ = ["UnixLink"]
 
 _LENGTH = struct.Struct(">I")
-_pack = _LENGTH.pack
 _unpack_from = _LENGTH.unpack_from
 _PREFIX = _LENGTH.size
+# The length and the message's header (see _frames) in one: one pack per send.
+_HEAD = struct.Struct(">IBQ")
+_pack_head = _HEAD.pack
+_unpack_head = _HEAD.unpack_from
+_HEAD_SIZE = _HEAD.size
 _MAX_MESSAGE = 2**32 - 1
 _BUFFER = 256 * 1024
 _SMALL = 16 * 1024  # below: copied behind its length (one buffer); above: sent without a copy
@@ -58,6 +67,7 @@ class UnixLink(Link):
     """One stream socket, connected to the peer's."""
 
     _flush_on_writable = True
+    _asker_reads = True
 
     def __init__(self, on_message: MessageHandler) -> None:
         super().__init__(on_message)
@@ -138,33 +148,48 @@ class UnixLink(Link):
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, data: bytes) -> None:
+    def send(self, kind: int, corr: int = 0, body: bytes = b"") -> None:
         if self.closed or self.broken:
             self._usable()  # raises once closed; on a broken link the message is dropped
             return
-        size = len(data)
+        size = _HEADER_SIZE + len(body)
         pieces: tuple[bytes, ...]
         if size < _SMALL:
-            pieces = (_pack(size) + data,)
+            data = _pack_head(size, kind, corr) + body
+            sock = self._sock
+            if sock is not None and not self._backlog:  # the usual case: one send
+                try:
+                    sent = sock.send(data, _NOSIGNAL)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    self._fail(_broken("send", exc))
+                    return
+                if sent < len(data):
+                    self._backlog.append(data)
+                    self._consume(sent)
+                    self._retry()
+                return
+            pieces = (data,)
         elif size <= _MAX_MESSAGE:
-            pieces = (_pack(size), data)
+            pieces = (_pack_head(size, kind, corr), body)
         else:
             raise ValueError(f"a message of {size} bytes is over the unix link's 4 GiB limit")
+        self._send_pieces(pieces)
+
+    def _send_pieces(self, pieces: tuple[bytes, ...]) -> None:
         sock = self._sock
         if self._backlog or sock is None:
             self._backlog.extend(pieces)  # after what waits, or until the peer connects
             return
         try:
-            if len(pieces) == 1:
-                sent = sock.send(pieces[0], _NOSIGNAL)
-            else:
-                sent = sock.sendmsg(pieces, (), _NOSIGNAL)
+            sent = sock.sendmsg(pieces, (), _NOSIGNAL)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             self._fail(_broken("send", exc))
             return
-        if sent < size + _PREFIX:
+        if sent < sum(map(len, pieces)):
             self._backlog.extend(pieces)
             self._consume(sent)
             self._retry()
@@ -202,15 +227,17 @@ class UnixLink(Link):
     def _read(self) -> None:
         sock = self._sock
         assert sock is not None
-        buf, view = self._buf, self._view
-        if self._end - self._start >= _PREFIX:
+        buf, view, handle = self._buf, self._view, self._on_message
+        if self._end and self._end - self._start >= _PREFIX:
             self._handle_frames()  # left by a handler that raised
         while not self.closed:
             big, end = self._big, self._end
             if big is not None:
                 target = memoryview(big)[self._big_filled :]
+            elif end:
+                target = view[end:]
             else:
-                target = view[end:] if end else view
+                target = view
             try:
                 n = sock.recv_into(target)
             except BlockingIOError:
@@ -218,16 +245,16 @@ class UnixLink(Link):
             except OSError as exc:
                 self.peer_closed = True
                 raise _broken("receive", exc) from exc
-            if n == 0:
+            if not n:
                 self.peer_closed = True
                 raise LinkBroken("the peer closed the link")
-            if big is not None:
+            if target is view and n >= _HEAD_SIZE and n == _PREFIX + (head := _unpack_head(buf))[0]:
+                handle(head[1], head[2], buf[_HEAD_SIZE:n])  # one whole frame: the usual case
+            elif big is not None:
                 self._big_filled += n
                 if self._big_filled == len(big):
                     self._big = None
-                    self._on_message(big)
-            elif not end and n == _PREFIX + _unpack_from(buf)[0]:
-                self._on_message(buf[_PREFIX:n])  # one whole frame: the usual round trip
+                    handle(*parse(big))
             else:
                 self._end = end + n
                 self._handle_frames()
@@ -239,12 +266,16 @@ class UnixLink(Link):
         pos = self._start
         try:
             while end - pos >= _PREFIX:
-                stop = pos + _PREFIX + _unpack_from(buf, pos)[0]
+                size = _unpack_from(buf, pos)[0]
+                if size < _HEADER_SIZE:
+                    raise LinkBroken(f"a malformed frame: {size} bytes, no room for a header")
+                stop = pos + _PREFIX + size
                 if stop > end:
                     break
-                frame = buf[pos + _PREFIX : stop]
+                _, kind, corr = _unpack_head(buf, pos)
+                body = buf[pos + _HEAD_SIZE : stop]
                 pos = stop
-                handle(frame)
+                handle(kind, corr, body)
                 if self.closed:
                     return
         finally:

@@ -21,6 +21,7 @@ import zmq
 from zmq.backend import Socket as _RawSocket
 
 from actors._zmq import context
+from actors.process._frames import message, parse
 from actors.process._link import Link, LinkBroken, MessageHandler
 
 __all__ = ["ZmqLink"]
@@ -71,11 +72,12 @@ class ZmqLink(Link):
         self._rx.connect(peer_tx)
         self._tx.connect(peer_rx)
 
-    def send(self, data: bytes) -> None:
+    def send(self, kind: int, corr: int = 0, body: bytes = b"") -> None:
         # EAGAIN: the parent's sending socket is bound, and the child's connection may not be
         # attached yet; the backlog is retried on a timer.
         if not self._usable():
             return
+        data = message(kind, corr, body)
         try:
             if self._backlog or not self._try_send(data):
                 self._backlog.append(data)
@@ -107,7 +109,7 @@ class ZmqLink(Link):
                 data = _recv(rx, _NOBLOCK)
             except zmq.Again:
                 return  # it processed the socket's commands: the FD will signal what comes
-            handle(data)
+            handle(*parse(data))
             if self.closed or not _get(rx, _EVENTS) & _POLLIN:
                 return
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -9,10 +11,11 @@ import sys
 import textwrap
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import attrs
+import msgspec
 import psutil
 import pytest
 
@@ -27,6 +30,7 @@ from supervisors import (
     open_supervisor,
     process_child,
 )
+from tests.process.workers import Kept
 
 ECHO = "tests.process.workers:Echo"
 FAST = ProcessOptions(heartbeat_interval=0.05, heartbeat_timeout=0.5, stop_timeout=2.0)
@@ -58,11 +62,19 @@ async def test_tell_ask_stream_across_processes(transport: Transport) -> None:
             assert [r async for r in replies] == list(range(3000))
 
 
+_UVLOOP = importlib.util.find_spec("uvloop") is not None
+
+
 @over_transports
-async def test_child_on_trio(transport: Transport) -> None:
-    opts = attrs.evolve(_fast(transport), backend="trio")
+@pytest.mark.parametrize(
+    "loop",
+    ["trio", pytest.param("uvloop", marks=pytest.mark.skipif(not _UVLOOP, reason="no uvloop"))],
+)
+async def test_child_on_other_loops(transport: Transport, loop: Literal["trio", "uvloop"]) -> None:
+    opts = attrs.evolve(_fast(transport), backend=loop)
     async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
         ref = await sup.child("echo")
+        assert await ref.ask("loop") == loop
         blob = os.urandom(4 * 1024 * 1024)
         assert await ref.ask(("echo", blob), timeout=30) == blob
         async with ref.stream(("count", 3000), buffer=64) as replies:
@@ -72,6 +84,80 @@ async def test_child_on_trio(transport: Transport) -> None:
         with anyio.fail_after(5):
             while await ref.ask("aborted") != 1:
                 await anyio.sleep(0.01)
+
+
+@over_transports
+async def test_kept_messages_are_not_overwritten_by_later_ones(transport: Transport) -> None:
+    # Decoded Raw and memoryview fields point into the received bytes: a link must never hand
+    # over a view of a buffer it reuses for the next read, on either side.
+    async with open_supervisor([process_child("echo", ECHO, options=_fast(transport))]) as sup:
+        ref = await sup.child("echo")
+        sent = [
+            Kept(msgspec.Raw(msgspec.msgpack.encode(os.urandom(40))), memoryview(os.urandom(60)))
+            for _ in range(60)
+        ]
+        replies: list[Kept] = [await ref.ask(kept) for kept in sent[:20]]  # one frame a read
+
+        async def ask(kept: Kept) -> None:
+            replies.append(await ref.ask(kept))
+
+        async with anyio.create_task_group() as tg:  # a burst: many frames a read
+            for kept in sent[20:]:
+                tg.start_soon(ask, kept)
+        expected = [kept.contents() for kept in sent]
+        assert sorted(reply.contents() for reply in replies) == sorted(expected)
+        assert sorted(map(tuple, await ref.ask("kept"))) == sorted(expected)
+
+
+@over_transports
+async def test_asks_and_streams_interleave(transport: Transport) -> None:
+    # On trio a lone asker reads its reply off the socket itself while nothing else is awaited,
+    # and the link's task reads while a stream runs or other asks wait (see Link.read_for). No
+    # heartbeat comes meanwhile (its check reads what nobody did).
+    opts = attrs.evolve(_fast(transport), heartbeat_interval=60.0, heartbeat_timeout=120.0)
+    async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
+        ref = await sup.child("echo")
+
+        async def asks(n: int) -> None:
+            for i in range(n):
+                assert await ref.ask(("echo", i)) == i
+
+        await asks(50)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(asks, 300)
+            async with ref.stream(("count", 2000), buffer=8) as replies:
+                got = [r async for r in replies]
+            for _ in range(3):
+                tg.start_soon(asks, 100)
+        assert got == list(range(2000))
+        with pytest.raises(AskTimeout):  # expires while its asker waits on the socket
+            await ref.ask(("sleep", 30), timeout=0.1)
+        await asks(50)
+
+
+async def test_ask_expiring_while_a_large_message_waits_to_be_sent() -> None:
+    # The child's loop is blocked, so a large message waits in the link's backlog; an ask
+    # expiring meanwhile (on trio: a lone asker woken off the socket) must not stop the rest
+    # of the backlog from going out once the child reads again.
+    opts = attrs.evolve(FAST, heartbeat_timeout=5.0)
+    async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
+        ref = await sup.child("echo")
+        blob = os.urandom(16 * 1024 * 1024)
+        result: list[Any] = []
+
+        async def send_blob() -> None:
+            result.append(await ref.ask(("echo", blob), timeout=30))
+
+        async def expiring() -> None:
+            with pytest.raises(AskTimeout):
+                await ref.ask(("block", 1.0), timeout=0.3)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(expiring)
+            await anyio.sleep(0.05)  # its asker waits; the child's loop blocks
+            await send_blob()
+        await send_blob()
+        assert result == [blob, blob]
 
 
 async def test_stream_producer_stays_within_its_credit() -> None:
@@ -157,7 +243,9 @@ async def test_sigkill_mid_stream_fails_caller_at_once_and_restarts(transport: T
         assert await _pid(ref) != pid
 
 
-async def test_sigkill_fails_pending_asks() -> None:
+@pytest.mark.parametrize("callers", [1, 5])
+async def test_sigkill_fails_pending_asks(callers: int) -> None:
+    # One caller: on trio it waits on the socket itself (see Link.read_for).
     async with open_supervisor(
         [process_child("echo", ECHO, options=FAST)], SupervisorFlags(intensity=5)
     ) as sup:
@@ -172,11 +260,11 @@ async def test_sigkill_fails_pending_asks() -> None:
                 errors.append(exc)
 
         async with anyio.create_task_group() as tg:
-            for _ in range(5):
+            for _ in range(callers):
                 tg.start_soon(call)
             await anyio.sleep(0.1)
             os.kill(pid, signal.SIGKILL)
-        assert len(errors) == 5
+        assert len(errors) == callers
 
 
 async def test_sigstop_is_caught_by_heartbeat_and_killed() -> None:
@@ -190,7 +278,7 @@ async def test_sigstop_is_caught_by_heartbeat_and_killed() -> None:
             with pytest.raises(ActorCrashed) as crash:
                 await ref.ask(("sleep", 0), timeout=None)
         finally:
-            if psutil.pid_exists(pid):
+            with contextlib.suppress(ProcessLookupError):  # killed and reaped meanwhile
                 os.kill(pid, signal.SIGCONT)
         assert "heartbeat" in str(crash.value)
         await _wait_running(ref, after=1)
@@ -216,6 +304,17 @@ async def test_child_failing_or_exiting_during_start(transport: Transport) -> No
         ):
             pass
     assert isinstance(exited.value.cause, ProcessDied)
+
+
+async def test_uvloop_child_without_uvloop_fails_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed
+    opts = attrs.evolve(FAST, backend="uvloop")
+    with pytest.raises(ChildStartFailed) as failed:
+        async with open_supervisor([process_child("x", ECHO, options=opts)]):
+            pass
+    assert "needs uvloop" in str(failed.value.cause)
 
 
 async def test_child_that_never_connects_fails_its_start_in_time() -> None:

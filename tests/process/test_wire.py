@@ -77,22 +77,28 @@ def test_message_header() -> None:
     assert f.parse_count(memoryview(f.count(256))) == 256
 
 
+class _Received(list[tuple[int, int, bytes]]):
+    """What a link delivered: (kind, corr, body), the body copied (the link reuses its view)."""
+
+    def __call__(self, kind: int, corr: int, body: memoryview) -> None:
+        self.append((kind, corr, bytes(body)))
+
+
 @transports
 async def test_link_keeps_what_is_sent_before_the_peer_connects(transport: Transport) -> None:
-    up: list[bytes | bytearray] = []
-    down: list[bytes | bytearray] = []
-    parent = new_link(transport, up.append)
+    up, down = _Received(), _Received()
+    parent = new_link(transport, up)
     endpoints = parent.bind(f"test-link-{os.getpid()}")
     child = None
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(parent.run)
             for i in range(5):
-                parent.send(bytes([i]))  # nobody has connected: the link keeps it
+                parent.send(f.TELL, i, bytes([i]))  # nobody has connected: the link keeps it
             await anyio.sleep(0.01)
-            child = connect_link(endpoints, down.append)
+            child = connect_link(endpoints, down)
             tg.start_soon(child.run)
-            child.send(b"up")
+            child.send(f.REPLY, 2**64 - 1, b"up")
             with anyio.fail_after(10):
                 while len(down) < 5 or not up:
                     await anyio.sleep(0.005)
@@ -102,34 +108,34 @@ async def test_link_keeps_what_is_sent_before_the_peer_connects(transport: Trans
         parent.close()
         if child is not None:
             child.close()
-    assert down == [bytes([i]) for i in range(5)]
-    assert up == [b"up"]
+    assert down == [(f.TELL, i, bytes([i])) for i in range(5)]
+    assert up == [(f.REPLY, 2**64 - 1, b"up")]
     with pytest.raises(LinkBroken):
-        parent.send(b"late")
+        parent.send(f.TELL, 0, b"late")
     assert not _files_of(endpoints)
 
 
 @transports
 async def test_link_carries_bursts_of_every_size_in_order(transport: Transport) -> None:
-    # Sizes around the unix link's 256 KiB read buffer and 16 KiB copy threshold, sent in one
-    # burst (more than the socket buffers hold) so frames split across reads and the backlog
-    # is used.
-    sizes = [0, 1, 9, 16383, 16384, 65536, 262_139, 262_140, 262_144, 262_145, 1_000_000]
-    sizes = sizes * 3 + [17] * 5000 + [16 * 1024 * 1024, 5]
-    messages = [os.urandom(n) for n in sizes]
+    # Frame sizes around the unix link's 256 KiB read buffer and 16 KiB copy threshold (a frame
+    # is the body, a 9-byte header and a 4-byte length), sent in one burst (more than the socket
+    # buffers hold) so frames split across reads and the backlog is used.
+    frames = [13, 14, 22, 16383, 16384, 65536, 262_139, 262_140, 262_144, 262_145, 1_000_000]
+    sizes = [n - 13 for n in frames] * 3 + [17] * 5000 + [16 * 1024 * 1024, 5]
+    messages = [(i % 256, i, os.urandom(n)) for i, n in enumerate(sizes)]
     async with _linked_pair(transport) as pair:
         for message in messages:
-            pair.parent.send(message)
+            pair.parent.send(*message)
         with anyio.fail_after(30):
             while len(pair.down) < len(messages):
                 await anyio.sleep(0.005)
-    assert [bytes(m) for m in pair.down] == messages
+    assert pair.down == messages
 
 
 @pytest.mark.parametrize("how", ["shutdown", "close"])
 async def test_peer_closing_its_unix_link_breaks_the_link(how: str) -> None:
     async with _linked_pair("unix") as pair:
-        pair.child.send(b"last words")
+        pair.child.send(f.EXIT, 0, b"last words")
         if how == "shutdown":  # under the link's feet, as a fault would
             with socket.socket(fileno=os.dup(pair.child._fd)) as sock:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -139,12 +145,13 @@ async def test_peer_closing_its_unix_link_breaks_the_link(how: str) -> None:
             while "parent" not in pair.errors:
                 await anyio.sleep(0.005)
         assert "closed" in str(pair.errors["parent"])
-        assert pair.up == [b"last words"]  # what it sent before it closed is delivered
+        # What it sent before it closed is delivered.
+        assert pair.up == [(f.EXIT, 0, b"last words")]
         assert pair.parent.broken and pair.parent.peer_closed
-        pair.parent.send(b"dropped")  # a broken link drops what is sent: run() raised
+        pair.parent.send(f.TELL)  # a broken link drops what is sent: run() raised
         pair.parent.close()
         with pytest.raises(LinkBroken):
-            pair.parent.send(b"closed")
+            pair.parent.send(f.TELL)
 
 
 async def test_send_to_a_closed_peer_breaks_the_unix_link() -> None:
@@ -153,7 +160,7 @@ async def test_send_to_a_closed_peer_breaks_the_unix_link() -> None:
             while pair.parent._fd < 0:  # accepted
                 await anyio.sleep(0.005)
         pair.child.close()
-        pair.parent.send(b"x" * 100)  # EPIPE: the peer's end is gone
+        pair.parent.send(f.TELL, 0, b"x" * 100)  # EPIPE: the peer's end is gone
         assert pair.parent.broken
         with anyio.fail_after(5):
             while "parent" not in pair.errors:
@@ -161,7 +168,7 @@ async def test_send_to_a_closed_peer_breaks_the_unix_link() -> None:
 
 
 async def test_unix_link_closed_before_its_peer_connects() -> None:
-    parent = new_link("unix", lambda data: None)
+    parent = new_link("unix", _Received())
     endpoints = parent.bind("test-unconnected")
     assert _files_of(endpoints)
     async with anyio.create_task_group() as tg:
@@ -170,7 +177,7 @@ async def test_unix_link_closed_before_its_peer_connects() -> None:
         parent.close()  # the waiting accept ends, run() returns
     assert not _files_of(endpoints)
     with pytest.raises(LinkBroken, match="cannot connect"):
-        connect_link(endpoints, lambda data: None)
+        connect_link(endpoints, _Received())
 
 
 class _Pair:
@@ -178,12 +185,11 @@ class _Pair:
     ``LinkBroken`` each one's ``run()`` raised."""
 
     def __init__(self, transport: Transport) -> None:
-        self.up: list[bytes | bytearray] = []
-        self.down: list[bytes | bytearray] = []
+        self.up, self.down = _Received(), _Received()
         self.errors: dict[str, LinkBroken] = {}
-        self.parent = new_link(transport, self.up.append)
+        self.parent = new_link(transport, self.up)
         self.endpoints = self.parent.bind(f"test-pair-{os.getpid()}")
-        self.child = connect_link(self.endpoints, self.down.append)
+        self.child = connect_link(self.endpoints, self.down)
 
     async def run(self, name: str, link: Link) -> None:
         try:

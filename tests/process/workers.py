@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -10,8 +11,23 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
+import sniffio
 
 from actors import Actor, ReplyError
+from protocols import codec
+
+
+@codec.register
+class Kept(msgspec.Struct):
+    """Decoded into fields that point into the bytes it was decoded from (msgspec's zero-copy
+    types): kept after its message, it shows whether a link reused those bytes."""
+
+    raw: msgspec.Raw
+    view: memoryview
+
+    def contents(self) -> tuple[bytes, bytes]:
+        return bytes(self.raw), bytes(self.view)
 
 
 class Echo(Actor):
@@ -21,11 +37,16 @@ class Echo(Actor):
         self.aborted = 0
         self.stream_closed = 0
         self.produced = 0
+        self.kept: list[Kept] = []
 
     async def receive(self, message: Any) -> Any:
         match message:
             case "pid":
                 return os.getpid()
+            case "loop":  # the event loop's module: asyncio, uvloop or trio
+                if sniffio.current_async_library() == "trio":
+                    return "trio"
+                return type(asyncio.get_running_loop()).__module__.partition(".")[0]
             case "greeting":
                 return self.greeting
             case "told":
@@ -43,6 +64,11 @@ class Echo(Actor):
                 return self.stream_closed
             case "produced":
                 return self.produced
+            case Kept():
+                self.kept.append(message)
+                return message
+            case "kept":
+                return [kept.contents() for kept in self.kept]
             case "reply-error":
                 raise ReplyError("no such thing")
             case "crash":
@@ -51,6 +77,9 @@ class Echo(Actor):
                 os._exit(3)
             case ("echo", value):
                 return value
+            case ("block", seconds):
+                time.sleep(seconds)  # noqa: ASYNC251 (blocks the loop: the link is not read)
+                return "blocked"
             case ("break-link", stall):
                 _shut_link_socket()
                 time.sleep(stall)  # noqa: ASYNC251 (blocks the loop: no reaction meanwhile)
