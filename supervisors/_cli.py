@@ -12,6 +12,7 @@ import structlog
 import typer
 from rich.console import Console
 
+from actors.process import default_loop
 from scenarios._cli import app as scenario_app  # light: the serving stack loads on use
 from supervisors._api import SupervisorRef
 from supervisors._control import default_control_path, request_tree
@@ -182,12 +183,6 @@ def run(
         anyio.run(main, backend=loop)
 
 
-def _uvloop_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("uvloop") is not None
-
-
 def resolve_loop(loop: str | None) -> str:
     """The root's event loop for ``--loop``: ``uvloop`` (asyncio on uvloop's loop), ``asyncio``
     or ``trio``; ``None`` is uvloop where installed, else asyncio.
@@ -196,8 +191,8 @@ def resolve_loop(loop: str | None) -> str:
     loop's own (its turns, callbacks and socket writes), and uvloop's cost less.
     """
     if loop is None:
-        return "uvloop" if _uvloop_installed() else "asyncio"
-    if loop == "uvloop" and not _uvloop_installed():
+        return default_loop()
+    if loop == "uvloop" and default_loop() != "uvloop":
         raise ValueError("uvloop is not installed: pip install 'actorserve[uvloop]'")
     if loop not in ("uvloop", "asyncio", "trio"):
         raise ValueError(f"{loop!r}: expected uvloop, asyncio or trio")
