@@ -196,12 +196,11 @@ class ReplyStream(Generic[T]):
         # stream (closing an ended stream is a no-op).
         return self._channel.receive()
 
-    async def receive(self, timeout: float | None = None) -> T:
+    def receive(self, timeout: float | None = None) -> Awaitable[T]:
         """The next reply (``StopAsyncIteration`` at the end); ``TimeoutError`` if none came
         within ``timeout`` seconds (it fires up to two ticks of the deadline sweep late, 20 ms,
-        and costs no timer)."""
-        item: T = await self._channel.receive(timeout)
-        return item
+        and costs no timer). The channel's coroutine itself, as for ``__anext__``."""
+        return self._channel.receive(timeout)
 
     def receive_nowait(self) -> T:
         """The next reply if one is already here, else raise ``anyio.WouldBlock``."""

@@ -2,6 +2,7 @@
 engine process and back) against the engine called directly, mock engine in instant mode.
 
     python benchmarks/serving.py [--quick] [--mode aggregated|disaggregated]
+                                 [--loop uvloop|asyncio|trio]
 
 The root runs as its own process (``actorserve run``) so its CPU time can be read apart from the
 client's; engines run in their own processes, as in production. Prints a table, then one JSON
@@ -40,6 +41,7 @@ from actors._net import free_port
 from actors.engines import MockEngine, MockEngineConfig, TimingModel
 from benchmarks._common import percentile, report
 from protocols import PreprocessedRequest, SamplingOptions, StopConditions
+from supervisors._cli import resolve_loop
 from supervisors._root import wait_healthy
 
 PROMPT = "benchmark the serving path " * 4
@@ -151,7 +153,9 @@ async def served(port: int, pid: int, quick: bool) -> dict[str, Any]:
     return {"ttft": ttfts, "rates": rates, "cpu_per_req": cpu_per_req}
 
 
-def start_root(port: int, mode: str, timing: TimingModel) -> subprocess.Popen[bytes]:
+def start_root(
+    port: int, mode: str, timing: TimingModel, loop: str | None
+) -> subprocess.Popen[bytes]:
     timing_arg = f"timing={msgspec.json.encode(timing).decode()}"
     args = [
         sys.executable,
@@ -178,6 +182,8 @@ def start_root(port: int, mode: str, timing: TimingModel) -> subprocess.Popen[by
         "eos_token_id=257",
         "--control",
         f"/tmp/actorserve-bench-{os.getpid()}.ctl",
+        # None: actorserve run's own default, so the figures describe the product.
+        *(["--loop", loop] if loop else []),
     ]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -201,11 +207,11 @@ async def chunk_costs(port: int, pid: int, rounds: int, per_round: int) -> list[
     return costs
 
 
-async def main_async(quick: bool, mode: str) -> dict[str, Any]:
+async def main_async(quick: bool, mode: str, loop: str | None) -> dict[str, Any]:
     n = 100 if quick else 1000
     direct_ttft = await engine_direct(n, TimingModel(instant=True))
     port = free_port()
-    root = start_root(port, mode, TimingModel(instant=True))
+    root = start_root(port, mode, TimingModel(instant=True), loop)
     try:
         await wait_healthy(port)
         result = await served(port, root.pid, quick)
@@ -213,7 +219,7 @@ async def main_async(quick: bool, mode: str) -> dict[str, Any]:
         root.terminate()
         await anyio.to_thread.run_sync(root.wait, 60)
     port = free_port()
-    root = start_root(port, mode, CHUNK_TIMING)
+    root = start_root(port, mode, CHUNK_TIMING, loop)
     try:
         await wait_healthy(port)
         result["chunk"] = await chunk_costs(port, root.pid, 5 if quick else 20, 5 if quick else 10)
@@ -231,6 +237,7 @@ async def main_async(quick: bool, mode: str) -> dict[str, Any]:
         "cpu_ms_per_req": round(min(result["cpu_per_req"]) * 1e3, 3),
         "engine_ttft_ms_p50": round(percentile(direct_ttft, 50) * 1e3, 3),
         "mode": mode,
+        "loop": resolve_loop(loop),
     }
 
 
@@ -238,8 +245,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests (under 60 s)")
     parser.add_argument("--mode", default="aggregated", choices=["aggregated", "disaggregated"])
+    parser.add_argument(
+        "--loop",
+        choices=["uvloop", "asyncio", "trio"],
+        help="the root's event loop (default: actorserve run's own)",
+    )
     args = parser.parse_args()
-    r = anyio.run(main_async, args.quick, args.mode)
+    r = anyio.run(main_async, args.quick, args.mode, args.loop)
     rows = [
         ("TTFT overhead p50 (ms)", r["ttft_overhead_ms_p50"], "goal <= 1; over the engine alone"),
         ("TTFT overhead p99 (ms)", r["ttft_overhead_ms_p99"], ""),
@@ -254,7 +266,8 @@ def main() -> None:
         ("root CPU per request (ms)", r["cpu_ms_per_req"], "goal <= 1; best of the three loads"),
         ("engine alone TTFT p50 (ms)", r["engine_ttft_ms_p50"], "in-process, instant mode"),
     ]
-    report(f"serving path ({r['mode']}, mock engines in child processes, instant mode)", rows, r)
+    title = f"serving path ({r['mode']}, root on {r['loop']}, mock engines in child processes)"
+    report(title, rows, r)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Ordered lifecycles: drain with hand-over, memory release/resume, rolling release, rollback,
-the control API, and the root's staged shutdown on SIGTERM."""
+the control API, and the root's staged shutdown on SIGTERM (on its default loop, uvloop where
+installed; the scenarios run it on asyncio and trio)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import anyio
 import httpx
 import psutil
 import pytest
+from typer.testing import CliRunner
 
 from actors._net import free_port
 from protocols import control
 from protocols.engine import MemoryTag
+from supervisors._cli import app
 from supervisors._control_api import control_app
 from supervisors._lifecycle import DrainWorker, LifecycleError, Release, Resume, WorkerStates
 from supervisors._root import wait_healthy
@@ -263,3 +266,9 @@ async def test_second_signal_exits_at_once_with_its_own_code() -> None:
             root.wait()
         assert root.stdout is not None
         root.stdout.close()
+
+
+def test_an_unknown_loop_is_a_clear_error() -> None:
+    result = CliRunner().invoke(app, ["run", "--backend", "mock", "--loop", "tokio"])
+    assert result.exit_code == 2, result.output
+    assert "expected uvloop, asyncio or trio" in result.output

@@ -61,6 +61,10 @@ async def replay_kv_events(
         sock.close()
 
 
+#: The longest wait between two quiet catch-ups that found nothing.
+_MAX_QUIET_S = 8.0
+
+
 class KvEventSubscriberStatistics(msgspec.Struct, frozen=True, kw_only=True):
     received: int  # batches handed out
     replayed: int  # of which recovered through the replay socket
@@ -77,7 +81,10 @@ class KvEventSubscriber:
     After ``idle_catch_up_s`` without a batch, ``receive`` asks the replay socket for anything
     newer (best effort: an engine that does not answer is the health checker's business). A
     SUB socket receives nothing until its subscription reached the publisher, so without this
-    the batches of a worker's first request could stay missing until its next one.
+    the batches of a worker's first request could stay missing until its next one. Each quiet
+    catch-up that finds nothing doubles the wait for the next (up to ``_MAX_QUIET_S``), and a
+    batch resets it: an idle worker's catch-ups (a socket made, connected and closed, a replay
+    on the engine's side) cost the root about 3% of its CPU at twice a second.
     """
 
     def __init__(
@@ -96,6 +103,7 @@ class KvEventSubscriber:
         self._next: int | None = start_seq
         self._timeout = replay_timeout_s
         self._idle = idle_catch_up_s if replay_endpoint is not None else None
+        self._quiet = self._idle  # the wait before the next quiet catch-up
         self._sock: AsyncSocket | None = None
         self._received = self._replayed = self._missed = self._undecodable = 0
 
@@ -162,7 +170,7 @@ class KvEventSubscriber:
             frames = sock.recv_multipart_nowait()
             if frames is None:
                 # Quiet spells end in a catch-up only once there is a sequence to catch up from.
-                with anyio.move_on_after(None if self._next is None else self._idle):
+                with anyio.move_on_after(None if self._next is None else self._quiet):
                     frames = await sock.recv_multipart()
             if frames is None:
                 try:
@@ -170,8 +178,12 @@ class KvEventSubscriber:
                 except (TimeoutError, zmq.ZMQError):
                     continue
                 if recovered:
+                    self._quiet = self._idle
                     return recovered
+                if self._quiet is not None:
+                    self._quiet = min(self._quiet * 2, max(_MAX_QUIET_S, self._quiet))
                 continue
+            self._quiet = self._idle
             if len(frames) != 3 or len(frames[1]) != 8:
                 self._undecodable += 1
                 continue
