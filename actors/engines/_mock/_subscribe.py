@@ -14,6 +14,7 @@ publisher actor can use them for either backend:
 from __future__ import annotations
 
 from types import TracebackType
+from typing import Self
 
 import anyio
 import msgspec
@@ -72,57 +73,19 @@ class KvEventSubscriberStatistics(msgspec.Struct, frozen=True, kw_only=True):
     undecodable: int  # payloads that failed to decode (skipped)
 
 
-class KvEventSubscriber:
-    """In-order, gap-free KV event batches of one data-parallel rank.
+class _Subscription:
+    """One SUB socket on ``endpoint``, made by ``connect`` (or ``async with``)."""
 
-    ``start_seq=0`` also recovers what was published before this subscriber joined (as far as
-    the replay buffer reaches); ``None`` starts with the first batch that arrives.
+    _topic = b""
+    _rcvhwm = 1000  # ZMQ's default
 
-    After ``idle_catch_up_s`` without a batch, ``receive`` asks the replay socket for anything
-    newer (best effort: an engine that does not answer is the health checker's business). A
-    SUB socket receives nothing until its subscription reached the publisher, so without this
-    the batches of a worker's first request could stay missing until its next one. Each quiet
-    catch-up that finds nothing doubles the wait for the next (up to ``_MAX_QUIET_S``), and a
-    batch resets it: an idle worker's catch-ups (a socket made, connected and closed, a replay
-    on the engine's side) cost the root about 3% of its CPU at twice a second.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        replay_endpoint: str | None = None,
-        *,
-        topic: str = "",
-        start_seq: int | None = None,
-        replay_timeout_s: float = 5.0,
-        idle_catch_up_s: float | None = 0.5,
-    ) -> None:
+    def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
-        self._topic = topic.encode()
-        self._next: int | None = start_seq
-        self._timeout = replay_timeout_s
-        self._idle = idle_catch_up_s if replay_endpoint is not None else None
-        self._quiet = self._idle  # the wait before the next quiet catch-up
         self._sock: AsyncSocket | None = None
-        self._received = self._replayed = self._missed = self._undecodable = 0
-
-    @property
-    def next_seq(self) -> int | None:
-        """The sequence number expected next (``None`` before the first batch)."""
-        return self._next
-
-    def statistics(self) -> KvEventSubscriberStatistics:
-        return KvEventSubscriberStatistics(
-            received=self._received,
-            replayed=self._replayed,
-            missed=self._missed,
-            undecodable=self._undecodable,
-        )
 
     def connect(self) -> None:
         if self._sock is None:
-            sock = AsyncSocket.create(zmq.SUB, rcvhwm=100_000)
+            sock = AsyncSocket.create(zmq.SUB, rcvhwm=self._rcvhwm)
             sock.socket.setsockopt(zmq.SUBSCRIBE, self._topic)
             sock.connect(self.endpoint)
             self._sock = sock
@@ -139,7 +102,7 @@ class KvEventSubscriber:
             self._sock.abort()
             self._sock = None
 
-    async def __aenter__(self) -> KvEventSubscriber:
+    async def __aenter__(self) -> Self:
         self.connect()
         return self
 
@@ -150,6 +113,56 @@ class KvEventSubscriber:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class KvEventSubscriber(_Subscription):
+    """In-order, gap-free KV event batches of one data-parallel rank.
+
+    ``start_seq=0`` also recovers what was published before this subscriber joined (as far as
+    the replay buffer reaches); ``None`` starts with the first batch that arrives.
+
+    After ``idle_catch_up_s`` without a batch, ``receive`` asks the replay socket for anything
+    newer (best effort: an engine that does not answer is the health checker's business). A
+    SUB socket receives nothing until its subscription reached the publisher, so without this
+    the batches of a worker's first request could stay missing until its next one. Each quiet
+    catch-up that finds nothing doubles the wait for the next (up to ``_MAX_QUIET_S``), and a
+    batch resets it: an idle worker's catch-ups (a socket made, connected and closed, a replay
+    on the engine's side) cost the root about 3% of its CPU at twice a second.
+    """
+
+    _rcvhwm = 100_000  # a burst of batches must not be dropped before they are read
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        start_seq: int | None = None,
+        replay_timeout_s: float = 5.0,
+        idle_catch_up_s: float | None = 0.5,
+    ) -> None:
+        super().__init__(endpoint)
+        self.replay_endpoint = replay_endpoint
+        self._topic = topic.encode()
+        self._next: int | None = start_seq
+        self._timeout = replay_timeout_s
+        self._idle = idle_catch_up_s if replay_endpoint is not None else None
+        self._quiet = self._idle  # the wait before the next quiet catch-up
+        self._received = self._replayed = self._missed = self._undecodable = 0
+
+    @property
+    def next_seq(self) -> int | None:
+        """The sequence number expected next (``None`` before the first batch)."""
+        return self._next
+
+    def statistics(self) -> KvEventSubscriberStatistics:
+        return KvEventSubscriberStatistics(
+            received=self._received,
+            replayed=self._replayed,
+            missed=self._missed,
+            undecodable=self._undecodable,
+        )
 
     async def catch_up(self) -> list[tuple[int, KVEventBatch]]:
         """Replay from the next expected sequence (from 0 before any batch) right now."""
@@ -227,43 +240,8 @@ class KvEventSubscriber:
         return out
 
 
-class KvMetricsSubscriber:
+class KvMetricsSubscriber(_Subscription):
     """Load metrics (every rank's) from the engine's metrics endpoint."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self._sock: AsyncSocket | None = None
-
-    def connect(self) -> None:
-        if self._sock is None:
-            sock = AsyncSocket.create(zmq.SUB)
-            sock.socket.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(self.endpoint)
-            self._sock = sock
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def drop(self) -> None:
-        """Close the socket under a task waiting in ``receive`` (it raises
-        ``ClosedResourceError``): a dropped connection, for fault injection."""
-        if self._sock is not None:
-            self._sock.abort()
-            self._sock = None
-
-    async def __aenter__(self) -> KvMetricsSubscriber:
-        self.connect()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     async def receive(self) -> KvMetrics:
         """The next metrics message (undecodable ones are skipped)."""
