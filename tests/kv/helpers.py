@@ -10,6 +10,7 @@ import anyio
 
 from actors.kv import DecodeKV, KVConfig, KVPool, NixlAgent, PrefillKV
 from actors.kv._peer import Outcome, PeerProcess, Receive, Stats
+from protocols.errors import KVTransferError
 
 PAGE_BYTES = 4096
 NUM_PAGES = 512
@@ -104,3 +105,14 @@ async def eventually(check: Any, timeout: float = 10.0) -> None:
             if await check():
                 return
             await anyio.sleep(0.02)
+
+
+async def send_to_faulted_peer(room: Any, alloc: Any, ended: anyio.Event) -> None:
+    """``room.send(alloc)`` to a peer the test faults (stops or kills): the send may fail with
+    ``KVTransferError`` or finish first, a real race; either way ``ended`` is set."""
+    try:
+        await room.send(alloc)
+    except KVTransferError:
+        pass
+    finally:
+        ended.set()

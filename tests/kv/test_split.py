@@ -23,7 +23,6 @@ from actors.kv._peer import (
     fill_pattern,
     pattern_pages,
 )
-from protocols.errors import KVTransferError
 from tests.kv.helpers import (
     CONFIG,
     HEARTBEAT,
@@ -36,6 +35,7 @@ from tests.kv.helpers import (
     peer,
     peer_stats,
     receive_in_child,
+    send_to_faulted_peer,
 )
 
 SPLIT = 16 * 1024  # bytes per thread at least: the test pools are small
@@ -150,18 +150,10 @@ async def test_split_write_aborted_or_decode_killed_mid_way(ipc_dir: str) -> Non
                 fill_pattern(kv.pool, alloc.pages, 12)
                 ended = anyio.Event()
 
-                async def send() -> None:
-                    try:
-                        await room.send(alloc)
-                    except KVTransferError:
-                        pass
-                    finally:
-                        ended.set()
-
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(receive_in_child, proc, kv.endpoint, room.room, pages, 12, [])
                     await room.wait_requested(10)
-                    tg.start_soon(send)
+                    tg.start_soon(send_to_faulted_peer, room, alloc, ended)
                     while room.state == RoomState.REQUESTED:
                         await anyio.lowlevel.checkpoint()
                     proc.kill()  # the chunks are posted (or done): their threads see the death

@@ -35,6 +35,7 @@ from tests.kv.helpers import (
     peer,
     peer_stats,
     receive_in_child,
+    send_to_faulted_peer,
 )
 
 
@@ -224,19 +225,11 @@ async def test_decode_killed_mid_transfer_prefill_frees_pages(ipc_dir: str) -> N
                 fill_pattern(kv.pool, alloc.pages, 9)
                 ended = anyio.Event()
 
-                async def send() -> None:
-                    try:
-                        await room.send(alloc)
-                    except KVTransferError:
-                        pass
-                    finally:
-                        ended.set()
-
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(receive_in_child, proc, kv.endpoint, room.room, 256, 9, [])
                     await room.wait_requested(10)
                     os.kill(proc.pid, signal.SIGSTOP)
-                    tg.start_soon(send)
+                    tg.start_soon(send_to_faulted_peer, room, alloc, ended)
                     await anyio.lowlevel.checkpoint()  # the WRITE is posted (or already failed)
                     proc.kill()
                     await ended.wait()
