@@ -160,6 +160,9 @@ class EngineStats:
     handovers_replay: int = 0  # drained requests aborted for token replay
     handovers_open: int = 0  # live hand-overs whose KV has not been read (or given up) yet
     transfer_pages: int = 0  # pages the KV bridge holds for transfers now (0 when idle)
+    # Of ``running``, those that have streamed an output (not waiting to prefill, or for the
+    # KV of a disaggregated request).
+    streaming: int = 0
 
 
 for _cls in (

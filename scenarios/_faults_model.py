@@ -1,9 +1,10 @@
 """The faults a scenario can inject, as declarations (``scenarios._inject`` carries them out).
 
 Every fault fires ``at`` seconds after the faulted workload starts; a fault aimed at a worker
-first waits (up to ``wait_s``) until that worker's engine runs at least ``when_busy`` requests,
-so "killed mid-stream" means mid-stream on a slow or a fast machine alike. ``worker="busiest"``
-picks the worker running the most requests at that moment (``"busiest-decode"``,
+first waits (up to ``wait_s``) until that worker's engine streams at least ``when_busy``
+requests (a prefill worker's: runs them; its one output comes at the end), so "killed
+mid-stream" means mid-stream on a slow or a fast machine alike. ``worker="busiest"`` picks the
+worker with the most such requests at that moment (``"busiest-decode"``,
 ``"busiest-prefill"``: among the workers of that role).
 """
 
@@ -56,7 +57,7 @@ class Fault:
 @attrs.frozen(kw_only=True)
 class _WorkerFault(Fault):
     worker: str = "busiest"
-    when_busy: int = 0  # wait until the worker runs this many requests first
+    when_busy: int = 0  # wait until the worker streams (prefill: runs) this many requests
     wait_s: float = 10.0
 
 

@@ -104,8 +104,8 @@ class Target:
         return SupervisorRef(await pool_ref.child(worker))
 
     async def busy_worker(self, fault: _WorkerFault) -> tuple[str, str | None]:
-        """The worker ``fault`` aims at, once it runs ``when_busy`` requests (or the wait ran
-        out: then also why)."""
+        """The worker ``fault`` aims at, once it streams ``when_busy`` requests (a prefill
+        worker: runs them), or the wait ran out: then also why."""
         if fault.worker.startswith("busiest"):
             _, _, role = fault.worker.partition("-")  # busiest-decode: decode workers only
             workers = [w for w in self.serving.roles if w.startswith(role)]
@@ -118,8 +118,13 @@ class Target:
             while True:
                 for worker in workers:
                     stats = await self.stats(worker)
-                    if stats is not None and stats.running > best_running:
-                        best, best_running = worker, stats.running
+                    if stats is None:
+                        continue
+                    # Mid-stream: a decode worker's requests may still wait for their KV.
+                    prefill = self.serving.roles[worker] == "prefill"
+                    busy = stats.running if prefill else stats.streaming
+                    if busy > best_running:
+                        best, best_running = worker, busy
                 if best_running >= fault.when_busy:
                     return best, None
                 best_running = -1

@@ -69,6 +69,7 @@ class EngineHost(Actor):
         self._bridge_closed: anyio.Event | None = None  # the bridge's task: it is closed
         self.engine: Engine | None = None
         self.running = 0
+        self.streaming = 0  # of which have streamed an output
         self.finished = 0
         self.last_output = time.monotonic()
         self._capacity: Any = None
@@ -177,6 +178,7 @@ class EngineHost(Actor):
                 native = engine.statistics() if hasattr(engine, "statistics") else None
                 return c.EngineStats(
                     running=self.running,
+                    streaming=self.streaming,
                     finished=self.finished,
                     last_output=self.last_output,
                     released=tuple(released() if callable(released) else released),
@@ -276,9 +278,13 @@ class EngineHost(Actor):
         self.running += 1
         self._running.add(rid)
         outputs = self._outputs(message)
+        streamed = False
         try:
             async for output in outputs:
                 self.last_output = time.monotonic()
+                if not streamed:
+                    streamed = True
+                    self.streaming += 1
                 handed_over = self._handed_over.pop(rid, None) if output.finish_reason else None
                 if handed_over is not None and output.finish_reason == "cancelled":
                     # Our own abort for a drain: never let it look like a client cancel
@@ -291,6 +297,7 @@ class EngineHost(Actor):
                 yield output
         finally:
             self.running -= 1
+            self.streaming -= streamed
             self.finished += 1
             self._running.discard(rid)
             self._handed_over.pop(rid, None)
