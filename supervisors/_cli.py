@@ -12,7 +12,7 @@ import structlog
 import typer
 from rich.console import Console
 
-from actors.process import default_loop
+from actors._loops import default_loop, run_on
 from scenarios._cli import app as scenario_app  # light: the serving stack loads on use
 from supervisors._api import SupervisorRef
 from supervisors._control import default_control_path, request_tree
@@ -177,10 +177,7 @@ def run(
             status.stop()
         console.print("stopped cleanly")
 
-    if loop == "uvloop":
-        anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
-    else:
-        anyio.run(main, backend=loop)
+    run_on(loop, main)
 
 
 def resolve_loop(loop: str | None) -> str:

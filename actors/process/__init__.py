@@ -7,8 +7,9 @@ is detected through the process sentinel, hangs through heartbeats, a closed soc
 """
 
 from actors._errors import ReplyError
+from actors._loops import default_loop
 from actors.process._link import LinkBroken, Transport
-from actors.process._parent import ProcessActor, ProcessDied, ProcessOptions, default_loop
+from actors.process._parent import ProcessActor, ProcessDied, ProcessOptions
 from actors.process._spawn import preload
 from protocols import codec
 

@@ -22,6 +22,7 @@ import msgspec
 from actors._backend import backend
 from actors._errors import ActorCrashed, StreamCancelled
 from actors._exit import ExitReason
+from actors._loops import run_on
 from actors._mailbox import ASK_ABORTABLE, STREAM, TELL
 from actors._ref import ActorRef, Cell, CellState
 from actors._runtime import Incarnation
@@ -72,13 +73,8 @@ def main(endpoints: list[str], factory: str, args: bytes, options: bytes) -> Non
         os.environ["TMPDIR"] = tempfile.tempdir = opts.tmpdir
     if opts.root_pid and os.getppid() == 1:
         os._exit(1)
-    backend, loop_options = opts.backend, None
-    if backend == "uvloop":
-        backend, loop_options = "asyncio", {"use_uvloop": True}
     try:
-        anyio.run(
-            _serve, endpoints, factory, args, opts, backend=backend, backend_options=loop_options
-        )
+        run_on(opts.backend, _serve, endpoints, factory, args, opts)
     except LinkBroken:
         pass  # the parent is gone (before we connected): nobody to report to
     finally:

@@ -12,7 +12,6 @@ included, is read at the next heartbeat check.)
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import os
 import select
@@ -21,7 +20,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import attrs
@@ -31,6 +30,7 @@ from actors._actor import Actor
 from actors._backend import Reply, backend
 from actors._errors import ActorCrashed, ActorNotRunning
 from actors._exit import ExitReason
+from actors._loops import Loop, default_loop
 from actors._mailbox import ASK, STREAM, TELL, Item
 from actors._ref import crash_error
 from actors._stream import StreamChannel
@@ -58,18 +58,12 @@ class ProcessOptions:
     transport: Transport = "unix"
     # The child's event loop; "uvloop": asyncio on uvloop's loop (the uvloop extra), which halves
     # what the child spends on a round trip.
-    backend: Literal["asyncio", "trio", "uvloop"] = "asyncio"
+    backend: Loop = "asyncio"
     start_timeout: float = 60.0
     heartbeat_interval: float = 0.2
     heartbeat_timeout: float = 3.0  # no frame for this long: the child is hung, kill it
     stop_timeout: float = 5.0  # graceful stop request, then SIGTERM
     term_timeout: float = 2.0  # SIGTERM, then SIGKILL
-
-
-def default_loop() -> Literal["asyncio", "uvloop"]:
-    """``"uvloop"`` where uvloop is installed, else ``"asyncio"``: the event loop a serving
-    tree's workers and ``actorserve run``'s root use unless told otherwise."""
-    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 class ProcessDied(Exception):
@@ -227,7 +221,7 @@ class ProcessActor(Actor):
     async def _start(self) -> None:
         opts = self.options
         if opts.backend == "uvloop":
-            if importlib.util.find_spec("uvloop") is None:
+            if default_loop() != "uvloop":
                 raise ValueError("ProcessOptions(backend='uvloop') needs uvloop installed")
             preload(["uvloop"])
         endpoints = self.wire.bind(f"{next(_ids)}")
