@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import platform
+import shutil
 import statistics
+import subprocess
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +17,22 @@ import structlog
 from rich.console import Console
 from rich.table import Table
 
-structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+# Warnings stay on: a crash or a restart loop inside a benchmark must not pass silently.
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+@functools.cache
+def machine() -> str:
+    """This host in a few words: CPU cores, and the first GPU where an NVIDIA driver is present."""
+    text = f"{os.cpu_count()} cores"
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False).stdout
+        gpus = listed.splitlines()
+        if gpus:
+            name = gpus[0].split(":", 1)[-1].split("(UUID")[0].strip()
+            text += f", {len(gpus)}x {name}"
+    return text
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -30,7 +49,8 @@ def median(samples: Sequence[float]) -> float:
 
 def report(title: str, rows: list[tuple[str, Any, str]], result: dict[str, Any]) -> None:
     """Print a table of ``(metric, value, note)`` rows, then ``result`` as the last JSON line."""
-    table = Table(title=f"{title} ({platform.node()}, {platform.python_version()})")
+    result.setdefault("machine", machine())
+    table = Table(title=f"{title} ({result['machine']}, Python {platform.python_version()})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("note")
