@@ -3,7 +3,7 @@
     python -m benchmarks.cma_ceiling [--quick]
 
 On one host, UCX moves a NIXL WRITE between DRAM pools with its ``cma`` transport (run
-``UCX_PROTO_INFO=y python benchmarks/kv_transfer.py --quick --device cpu`` to see it chosen):
+``UCX_PROTO_INFO=y python -m benchmarks.kv_transfer --quick --device cpu`` to see it chosen):
 one ``process_vm_writev`` per run of pages, a copy the kernel makes in the calling thread. This
 script measures that system call alone (no NIXL, no UCX) into another process's memory, beside a
 single-threaded memcpy of the same bytes, best of N each, and the same copy split over 2 and 4

@@ -1,6 +1,6 @@
 """Benchmark of the mock engine: timing-model fidelity, instant-mode throughput, cancel cost.
 
-    python benchmarks/engine.py [--quick] [--backend asyncio|trio] [--device auto|cpu|cuda]
+    python -m benchmarks.engine [--quick] [--backend asyncio|trio] [--device auto|cpu|cuda]
 
 - ``timing_model_error_pct``: 1,000 requests (mixed prompt and output lengths, shared prefixes)
   run in timed mode; the time the engine took for its steps (first step's start to last step's

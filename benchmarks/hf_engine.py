@@ -1,6 +1,6 @@
 """Benchmark of the ``hf`` engine on SmolLM2-135M-Instruct (fp32, CPU or CUDA): alone, and served.
 
-    python benchmarks/hf_engine.py [--max-tokens 32] [--threads N] [--backend asyncio|trio]
+    python -m benchmarks.hf_engine [--max-tokens 32] [--threads N] [--backend asyncio|trio]
 
 The engine alone:
 

@@ -1,6 +1,6 @@
 """Benchmark of KV transfer over NIXL between two processes, against the copy ceiling.
 
-    python benchmarks/kv_transfer.py [--quick] [--bytes-per-token N] [--device auto|cpu|cuda]
+    python -m benchmarks.kv_transfer [--quick] [--bytes-per-token N] [--device auto|cpu|cuda]
                                      [--threads N] [--split-min-bytes N] [--no-baseline]
 
 This process is the prefill worker (its pool on cpu or cuda:0); a decode worker runs in a child
