@@ -99,6 +99,7 @@ class PrefillConnection:
         self._seq = 0
         self._known_incarnation: int | None = None
         self._changed = anyio.Event()
+        self._reader: anyio.CancelScope | None = None
 
     @property
     def ready(self) -> bool:
@@ -168,6 +169,10 @@ class PrefillConnection:
         return True
 
     def close(self) -> None:
+        # The reader stops first: woken by its socket's closing, it would read a closed socket
+        # (ENOTSOCK) and fail the service's task group (a forgotten silent peer, seen in tests).
+        if self._reader is not None:
+            self._reader.cancel()
         self.chan.close()
 
     def _notify(self) -> None:
@@ -177,8 +182,10 @@ class PrefillConnection:
     # -- the reader ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Read prefill's messages until cancelled."""
-        await self.chan.run()
+        """Read prefill's messages until cancelled (or closed)."""
+        with anyio.CancelScope() as self._reader:
+            if not self.chan.closed:
+                await self.chan.run()
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:

@@ -8,9 +8,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from actors.engines import KvPages, MockEngine, TimingModel
+from actors.engines import BlockStored, KvPages, MockEngine, TimingModel, replay_kv_events
 from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest
-from tests.engines._mock_helpers import collect, config, request, run, tokens_of
+from tests.engines._mock_helpers import collect, config, eventually, request, run, tokens_of
 
 PROMPTS = [list(range(500 + i, 540 + i)) for i in range(3)]  # 2 full pages of 16 and a partial
 
@@ -141,3 +141,31 @@ async def test_a_live_migration_whose_peers_never_arrive_still_starts() -> None:
         for rid in ("r0", "r1", "r2"):
             source.release_transfer(rid)
         assert target.is_quiescent() and source.is_quiescent()
+
+
+async def test_live_migrations_received_together_publish_one_kv_event_batch() -> None:
+    async with (
+        MockEngine(config()) as source,
+        MockEngine(config(role="decode", timing=TimingModel(speedup=0.01))) as target,
+    ):
+        pages, done = await _handed_over(source)
+        lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
+        streams = [target.generate(live) for live in lives]
+        for i, live in enumerate(lives):
+            kv = pages[f"r{i}"]
+            assert kv is not None
+            _copy(source, kv, target, await target.wait_transfer_target(live.rid))
+        last = target.kv_events_last_seq()
+        for i, live in enumerate(lives):  # their KV arrived in one turn
+            assert target.complete_transfer(live.rid)
+            source.release_transfer(f"r{i}")
+        # Their pages are published by the step loop's next turn, all in one batch.
+        assert target.kv_events_last_seq() == last
+        await eventually(lambda: target.kv_events_last_seq() > last)
+        replay = target.capacity.kv_events_replay_endpoints[0]
+        (seq, batch), *_ = await replay_kv_events(replay, last + 1)
+        stored = {h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes}
+        assert seq == last + 1 and stored == target.cached_block_hashes()
+        assert len(stored) == sum(len(live.token_ids) // 16 for live in lives)
+        for stream in streams:
+            await stream.aclose()

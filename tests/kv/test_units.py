@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from actors.kv import (
     KVPool,
     KVPoolExhausted,
     NixlAgent,
+    _transfer,
     bootstrap_endpoint,
     bootstrap_info,
     checksums_of,
@@ -23,9 +26,9 @@ from actors.kv import (
     page_checksums,
 )
 from actors.kv._bootstrap import THREADS_ENV
-from actors.kv._nixl import SPLIT_BATCH
+from actors.kv._nixl import SPLIT_BATCH, XferHandle, XferState
 from actors.kv._peer import pattern_pages
-from actors.kv._transfer import split, split_pieces
+from actors.kv._transfer import split, split_pieces, write_pages, yield_cpu
 from protocols.kv import (
     Hello,
     KVMemoryDesc,
@@ -218,6 +221,61 @@ def test_posting_threads_split_a_write_and_sleep_when_idle() -> None:
         used = _thread_cpu_s(threads)
         time.sleep(0.5)
         assert _thread_cpu_s(threads) - used < 0.1
+    assert a.statistics().xfers_live == 0
+
+
+def test_spinning_pollers_yield_the_cpu_once_per_round_between_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(_transfer, "time", SimpleNamespace(sleep=slept.append))
+    monkeypatch.setattr(_transfer._Spin, "polls", 0)
+    monkeypatch.setattr(_transfer._Spin, "spinners", 0)
+    yield_cpu()  # a lone poller (decode's notification poller): every poll yields
+    yield_cpu()
+    assert slept == [0, 0]
+    monkeypatch.setattr(_transfer._Spin, "spinners", 4)  # a drain's WRITEs spinning together
+    for _ in range(12):  # three rounds of the four
+        yield_cpu()
+    assert slept == [0] * 5
+
+
+async def test_concurrent_writes_register_their_spinning_and_leave_none_behind() -> None:
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with NixlAgent(prefix="sender") as a, NixlAgent(prefix="target") as b:
+        a.register(int(src.ctypes.data), src.nbytes, "DRAM", 0)
+        b.register(int(dst.ctypes.data), dst.nbytes, "DRAM", 0)
+        a.add_remote(b.metadata(), b.name)
+        b.add_remote(a.metadata(), a.name)
+        piece = src.nbytes // 8
+
+        def post(i: int) -> tuple[XferHandle, XferState]:
+            lo = np.array([[src.ctypes.data + i * piece, piece, 0]], dtype=np.uint64)
+            hi = np.array([[dst.ctypes.data + i * piece, piece, 0]], dtype=np.uint64)
+            return a.post("WRITE", lo, "DRAM", hi, "DRAM", b.name, b"%d" % i)
+
+        async def one(i: int) -> None:
+            await write_pages(a, lambda: post(i), b.name, timeout=10, yields=True)
+
+        async def progress_target(done: anyio.Event) -> None:
+            while not done.is_set():
+                b.get_notifs()
+                await anyio.sleep(0.001)
+
+        done = anyio.Event()
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(progress_target, done)
+                async with anyio.create_task_group() as writes:
+                    for i in range(8):
+                        writes.start_soon(one, i)
+                done.set()
+            # One cancelled while it spins: its count goes too.
+            with anyio.move_on_after(0):
+                await write_pages(a, lambda: post(0), b.name, timeout=10, yields=True)
+        assert _transfer._Spin.spinners == 0
+        assert np.array_equal(src, dst)
     assert a.statistics().xfers_live == 0
 
 

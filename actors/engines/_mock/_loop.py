@@ -83,6 +83,9 @@ class LoopMixin:
     def _commit(self, step: Step) -> None:
         raise NotImplementedError
 
+    def flush_events(self) -> None:
+        raise NotImplementedError
+
     def end(
         self,
         req: MockRequest,
@@ -208,6 +211,7 @@ class LoopMixin:
         last_yield = time.perf_counter()
         while True:
             self._wake_event = anyio.Event()
+            self.flush_events()  # what calls since the last turn left to it (after_change)
             if self._deferred:
                 deferred, self._deferred = self._deferred, []
                 for req in deferred:

@@ -128,10 +128,13 @@ class RankScheduler(LoopMixin):
             except RuntimeError:
                 pass  # the event loop is gone: nothing left to wake
 
-    def after_change(self) -> None:
-        """Tidy the queues and publish after a call changed requests or blocks."""
+    def after_change(self, *, publish: bool = True) -> None:
+        """Tidy the queues and publish after a call changed requests or blocks; ``publish=False``
+        leaves the KV events to the step loop's next turn, one batch for a burst of calls (a
+        drain's live migrations arriving together)."""
         self._compact()
-        self.flush_events()
+        if publish:
+            self.flush_events()
         self.wake()
 
     def pause(self, mode: PauseMode) -> None:

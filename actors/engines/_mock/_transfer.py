@@ -138,7 +138,9 @@ class TransferMixin:
         sched.start_decoding(req, h, token, reason)
         if req.request.live_migration:
             sched.arrived(req)
-        sched.after_change()
+        # Its pages' KV events go out with those of the other live migrations arriving in this
+        # turn (one batch per drain, not one send each), at the step loop's next turn.
+        sched.after_change(publish=not req.request.live_migration)
         return True
 
     def fail_transfer(self, rid: str, message: str) -> None:
