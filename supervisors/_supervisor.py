@@ -1,9 +1,10 @@
 """The supervisor: OTP's semantics on anyio, plus restart backoff.
 
-A supervisor is an actor. Its children run as tasks in its task group, each an
-:class:`~actors.lowlevel.Incarnation` bound to a stable ref. A child's exit arrives as a message,
-so the strategy is applied one event at a time and the supervisor stays responsive (also while a
-child keeps failing to restart). Delayed restarts are timer tasks that post a message back.
+A supervisor is an actor. Its children run as tasks in its task group (a dynamic supervisor's
+through a :class:`~supervisors._host.TaskHost`), each an :class:`~actors.lowlevel.Incarnation`
+bound to a stable ref. A child's exit arrives as a message, so the strategy is applied one event
+at a time and the supervisor stays responsive (also while a child keeps failing to restart).
+Delayed restarts are timer tasks that post a message back.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from supervisors._errors import (
     SupervisorError,
 )
 from supervisors._events import emit, forget, set_backoff
+from supervisors._host import TaskHost
 from supervisors._spec import AutoShutdown, ChildSpec, Restart, Strategy, SupervisorFlags
 
 __all__ = ["Supervisor"]
@@ -104,12 +106,15 @@ class Supervisor(Actor):
         self._restart_total = 0
         self._tokens = itertools.count(1)
         self._dynamic_ids = itertools.count(1)
+        self._host: TaskHost | None = None  # a dynamic supervisor's children (one per request)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def started(self) -> None:
         self.start_soon(self._release_at_exit, name=f"{self.name} guard")
         if self._dynamic:
+            self._host = TaskHost(self.task_group)
+            self.start_soon(self._host.run, name=f"{self.name} children")
             return
         for spec in self._specs:
             try:
@@ -187,7 +192,10 @@ class Supervisor(Actor):
         inc = Incarnation(actor, child.ref)
         child.inc = inc
         on_exit = functools.partial(self._on_exit, child, inc)
-        self.task_group.start_soon(inc.run, child.ref._cell, on_exit, name=child.ref.name)
+        if self._host is not None:
+            self._host.start_soon(inc.run, child.ref._cell, on_exit, name=child.ref.name)
+        else:
+            self.task_group.start_soon(inc.run, child.ref._cell, on_exit, name=child.ref.name)
         try:
             await inc.ready.wait(child.spec.start_timeout)
         except Ignore:
