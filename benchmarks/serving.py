@@ -7,9 +7,17 @@ engine process and back) against the engine called directly, mock engine in inst
 The root runs as its own process (``actorserve run``) so its CPU time can be read apart from the
 client's; engines run in their own processes, as in production. Prints a table, then one JSON
 line with ttft_overhead_ms_p50, ttft_overhead_ms_p99, chunk_overhead_us_p50, req_per_s_c1,
-req_per_s_c32, req_per_s_c256, cpu_ms_per_req.
+req_per_s_c32, req_per_s_c256, cpu_ms_per_req, engine_ttft_ms_p50, engine_process_ttft_ms_p50.
 
-- TTFT overhead: the served time to first token minus the engine's own (in-process) p50.
+- TTFT overhead: the served time to first token minus the engine's own (in-process) p50. The
+  served TTFT is measured by a light client in a process of its own (the standard library's
+  ``http.client``, see ``benchmarks._ttft_client``), one request at a time. Until 2026-11-22 it
+  was the benchmark's in-process httpx client, which added 1-2.5 ms of its own per request (its
+  event loop and h11's parsing, on the benchmark's CPU): figures before that date are not
+  comparable. The load phases below still use httpx (they measure the root's CPU, not latency).
+- engine_process_ttft_ms_p50: the engine in its own process, streamed straight from its process
+  actor with no root in between: the share of the TTFT overhead that is the engine process and
+  its link rather than the serving path (the rest is the root's, HTTP's and the client's).
 - cpu_ms_per_req: the root process's CPU time (user + system, all its threads) per request of
   ``MAX_TOKENS`` tokens, the best of the three loads.
 - chunk_overhead_us_p50: the root's CPU time per streamed chunk. Per round, the root's CPU per
@@ -37,15 +45,19 @@ import httpx
 import msgspec
 import psutil
 
+from actors._loops import default_loop
 from actors._net import free_port
 from actors.engines import MockEngine, MockEngineConfig, TimingModel
+from actors.process import ProcessOptions
 from benchmarks._common import percentile, report
 from protocols import PreprocessedRequest, SamplingOptions, StopConditions
+from supervisors import open_supervisor, process_child
 from supervisors._cli import resolve_loop
 from supervisors._root import wait_healthy
 
 PROMPT = "benchmark the serving path " * 4
 MAX_TOKENS = 32
+ENGINE_HOST = "actors.worker._host:EngineHost"
 
 
 # Per-chunk cost: an engine that decodes one token per ~0.6 ms step, slower than the root's work
@@ -83,6 +95,43 @@ async def engine_direct(n: int, timing: TimingModel) -> list[float]:
     return ttft
 
 
+async def engine_process(n: int, timing: TimingModel) -> list[float]:
+    """TTFT of the engine in its own process, streamed straight from its process actor (the
+    worker's engine host, on the root's loop), with no frontend, request stream or router."""
+    config = MockEngineConfig(
+        timing=timing,
+        kv_events_endpoint=None,
+        kv_events_replay_endpoint=None,
+        metrics_endpoint=None,
+        num_blocks=8192,
+        eos_token_id=257,
+    )
+    options = ProcessOptions(backend=default_loop())
+    spec = process_child(
+        "engine", ENGINE_HOST, "mock", msgspec.msgpack.encode(config), options=options
+    )
+    tokens = list(PROMPT.encode())
+    ttft = []
+    async with open_supervisor([spec]) as sup:
+        engine = await sup.child("engine")
+        for i in range(n + 20):
+            request = PreprocessedRequest(
+                rid=f"process-{i}",
+                token_ids=tokens,
+                stop_conditions=StopConditions(max_tokens=MAX_TOKENS),
+                sampling_options=SamplingOptions(temperature=0.0),
+            )
+            start = time.perf_counter()
+            first = -1.0
+            async with engine.stream(request) as outputs:
+                async for _ in outputs:
+                    if first < 0:
+                        first = time.perf_counter() - start
+            if i >= 20:
+                ttft.append(first)
+    return ttft
+
+
 async def _one(client: httpx.AsyncClient, max_tokens: int = MAX_TOKENS) -> tuple[float, int]:
     """One streamed completion: its TTFT and how many chunks (``data:`` events) it had."""
     body = {
@@ -106,6 +155,15 @@ async def _one(client: httpx.AsyncClient, max_tokens: int = MAX_TOKENS) -> tuple
     return ttft, chunks
 
 
+async def client_ttfts(port: int, count: int) -> list[float]:
+    """TTFTs measured by a light client in its own process (see ``benchmarks._ttft_client``)."""
+    args = [sys.executable, "-m", "benchmarks._ttft_client"]
+    args += [str(port), str(count), "20", str(MAX_TOKENS), PROMPT]
+    done = await anyio.run_process(args)
+    ttfts: list[float] = msgspec.json.decode(done.stdout.splitlines()[-1])
+    return ttfts
+
+
 def _cpu(proc: psutil.Process) -> float:
     times = proc.cpu_times()
     return float(times.user + times.system)
@@ -116,10 +174,7 @@ async def served(port: int, pid: int, quick: bool) -> dict[str, Any]:
     base_url = f"http://127.0.0.1:{port}"
     # Not used (plain HTTP), but made once: each client would load the CA bundle again.
     tls = ssl.create_default_context()
-    async with httpx.AsyncClient(base_url=base_url, timeout=120, verify=tls) as client:
-        for _ in range(20):
-            await _one(client)
-        ttfts = [(await _one(client))[0] for _ in range(100 if quick else 1000)]
+    ttfts = await client_ttfts(port, 100 if quick else 1000)
     rates = {}
     cpu_per_req = []
     for concurrency in (1, 32, 256):
@@ -210,6 +265,7 @@ async def chunk_costs(port: int, pid: int, rounds: int, per_round: int) -> list[
 async def main_async(quick: bool, mode: str, loop: str | None) -> dict[str, Any]:
     n = 100 if quick else 1000
     direct_ttft = await engine_direct(n, TimingModel(instant=True))
+    process_ttft = await engine_process(n, TimingModel(instant=True))
     port = free_port()
     root = start_root(port, mode, TimingModel(instant=True), loop)
     try:
@@ -236,6 +292,7 @@ async def main_async(quick: bool, mode: str, loop: str | None) -> dict[str, Any]
         "req_per_s_c256": round(result["rates"][256], 1),
         "cpu_ms_per_req": round(min(result["cpu_per_req"]) * 1e3, 3),
         "engine_ttft_ms_p50": round(percentile(direct_ttft, 50) * 1e3, 3),
+        "engine_process_ttft_ms_p50": round(percentile(process_ttft, 50) * 1e3, 3),
         "mode": mode,
         "loop": resolve_loop(loop),
     }
@@ -265,6 +322,11 @@ def main() -> None:
         ("requests/s, concurrency 256", r["req_per_s_c256"], ""),
         ("root CPU per request (ms)", r["cpu_ms_per_req"], "goal <= 1; best of the three loads"),
         ("engine alone TTFT p50 (ms)", r["engine_ttft_ms_p50"], "in-process, instant mode"),
+        (
+            "engine in its process TTFT p50 (ms)",
+            r["engine_process_ttft_ms_p50"],
+            "through its process actor, no root",
+        ),
     ]
     title = f"serving path ({r['mode']}, root on {r['loop']}, mock engines in child processes)"
     report(title, rows, r)
