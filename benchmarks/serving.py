@@ -18,8 +18,9 @@ req_per_s_c32, req_per_s_c256, cpu_ms_per_req, engine_ttft_ms_p50, engine_proces
 - engine_process_ttft_ms_p50: the engine in its own process, streamed straight from its process
   actor with no root in between: the share of the TTFT overhead that is the engine process and
   its link rather than the serving path (the rest is the root's, HTTP's and the client's).
-- cpu_ms_per_req: the root process's CPU time (user + system, all its threads) per request of
-  ``MAX_TOKENS`` tokens, the best of the three loads.
+- cpu_ms_per_req: the root process's CPU time (all its threads, from the scheduler's nanosecond
+  counts since 2026-11-22, clock ticks of 10 ms before) per request of ``MAX_TOKENS`` tokens,
+  the best of the three loads.
 - chunk_overhead_us_p50: the root's CPU time per streamed chunk. Per round, the root's CPU per
   request is measured for requests of ``SHORT`` and of ``LONG`` tokens; the difference over the
   difference in chunks received (``data:`` events) is what one more chunk costs, the fixed
@@ -43,7 +44,6 @@ from typing import Any
 import anyio
 import httpx
 import msgspec
-import psutil
 
 from actors._loops import default_loop
 from actors._net import free_port
@@ -164,13 +164,22 @@ async def client_ttfts(port: int, count: int) -> list[float]:
     return ttfts
 
 
-def _cpu(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return float(times.user + times.system)
+def _cpu(pid: int) -> float:
+    """The CPU seconds of process ``pid``'s live threads, from the scheduler's nanosecond count
+    (``/proc/<pid>/task/*/schedstat``): ``cpu_times`` counts in clock ticks of 10 ms, which made
+    the per-chunk figure jump in steps of 17 us. A thread that ended meanwhile takes its time
+    with it; the root's threads (ZMQ's I/O thread, anyio's workers) outlive a measurement."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended just now
+    return total / 1e9
 
 
 async def served(port: int, pid: int, quick: bool) -> dict[str, Any]:
-    proc = psutil.Process(pid)
     base_url = f"http://127.0.0.1:{port}"
     # Not used (plain HTTP), but made once: each client would load the CA bundle again.
     tls = ssl.create_default_context()
@@ -187,7 +196,7 @@ async def served(port: int, pid: int, quick: bool) -> dict[str, Any]:
             httpx.AsyncClient(base_url=base_url, timeout=120, verify=tls)
             for _ in range(concurrency)
         ]
-        cpu_before = _cpu(proc)
+        cpu_before = _cpu(pid)
         start = time.perf_counter()
 
         async def worker(client: httpx.AsyncClient, count: int) -> None:
@@ -202,7 +211,7 @@ async def served(port: int, pid: int, quick: bool) -> dict[str, Any]:
                 tg.start_soon(worker, client, per)
         elapsed = time.perf_counter() - start
         rates[concurrency] = done / elapsed
-        cpu_per_req.append((_cpu(proc) - cpu_before) / done)
+        cpu_per_req.append((_cpu(pid) - cpu_before) / done)
         for client in clients:
             await client.aclose()
     return {"ttft": ttfts, "rates": rates, "cpu_per_req": cpu_per_req}
@@ -245,7 +254,6 @@ def start_root(
 
 async def chunk_costs(port: int, pid: int, rounds: int, per_round: int) -> list[float]:
     """Per round: the root's CPU seconds per chunk, from requests of SHORT and LONG tokens."""
-    proc = psutil.Process(pid)
     costs = []
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
         for _ in range(3):
@@ -254,10 +262,10 @@ async def chunk_costs(port: int, pid: int, rounds: int, per_round: int) -> list[
             cpu: dict[int, float] = {}
             chunks: dict[int, int] = {}
             for tokens in (SHORT, LONG):
-                before, chunks[tokens] = _cpu(proc), 0
+                before, chunks[tokens] = _cpu(pid), 0
                 for _ in range(per_round):
                     chunks[tokens] += (await _one(client, tokens))[1]
-                cpu[tokens] = _cpu(proc) - before
+                cpu[tokens] = _cpu(pid) - before
             costs.append((cpu[LONG] - cpu[SHORT]) / (chunks[LONG] - chunks[SHORT]))
     return costs
 
