@@ -133,10 +133,11 @@ class AsyncSocket:
 
     async def recv_multipart(self) -> list[bytes]:
         while True:
+            # EVENTS first: a receive that finds nothing raises (zmq.Again), which costs more.
+            await self.wait_readable()
             msg = self.recv_multipart_nowait()
             if msg is not None:
                 return msg
-            await self.wait_readable()
 
     def send_multipart_nowait(
         self, frames: Sequence[bytes | memoryview], copy: bool = True
