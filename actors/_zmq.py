@@ -109,6 +109,11 @@ class AsyncSocket:
                     self._waiting = None
 
     def _on_readable(self) -> None:
+        if self.socket.closed:
+            # Closed behind our back (not through close()): stop watching its FD now, before
+            # its number is reused.
+            self._unregister()
+            return
         if not self._wake():
             has_input(self.socket)  # nobody waits: re-arm the edge, so the FD goes quiet
 
