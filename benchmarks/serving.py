@@ -1,7 +1,7 @@
 """The serving path's own cost: the whole path (HTTP -> frontend -> request-stream actor ->
 engine process and back) against the engine called directly, mock engine in instant mode.
 
-    python benchmarks/serving.py [--quick] [--mode aggregated|disaggregated]
+    python -m benchmarks.serving [--quick] [--mode aggregated|disaggregated]
                                  [--loop uvloop|asyncio|trio]
 
 The root runs as its own process (``actorserve run``) so its CPU time can be read apart from the
@@ -34,12 +34,15 @@ req_per_s_c32, req_per_s_c256, cpu_ms_per_req, engine_ttft_ms_p50, engine_proces
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import IO, Any
 
 import anyio
 import httpx
@@ -217,8 +220,30 @@ async def served(port: int, pid: int, quick: bool) -> dict[str, Any]:
     return {"ttft": ttfts, "rates": rates, "cpu_per_req": cpu_per_req}
 
 
+@contextlib.asynccontextmanager
+async def running_root(
+    mode: str, timing: TimingModel, loop: str | None
+) -> AsyncIterator[tuple[int, int]]:
+    """An ``actorserve run`` root, healthy: yields its port and pid. Its log is kept (warnings
+    and up) and shown if it never becomes healthy."""
+    port = free_port()
+    with tempfile.TemporaryFile() as log:
+        root = start_root(port, mode, timing, loop, log)
+        try:
+            try:
+                await wait_healthy(port)
+            except TimeoutError:
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-4000:]
+                raise RuntimeError(f"the root never became healthy; its log:\n{tail}") from None
+            yield port, root.pid
+        finally:
+            root.terminate()
+            await anyio.to_thread.run_sync(root.wait, 60)
+
+
 def start_root(
-    port: int, mode: str, timing: TimingModel, loop: str | None
+    port: int, mode: str, timing: TimingModel, loop: str | None, log: IO[bytes]
 ) -> subprocess.Popen[bytes]:
     timing_arg = f"timing={msgspec.json.encode(timing).decode()}"
     args = [
@@ -249,7 +274,7 @@ def start_root(
         # None: actorserve run's own default, so the figures describe the product.
         *(["--loop", loop] if loop else []),
     ]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
 
 
 async def chunk_costs(port: int, pid: int, rounds: int, per_round: int) -> list[float]:
@@ -274,22 +299,10 @@ async def main_async(quick: bool, mode: str, loop: str | None) -> dict[str, Any]
     n = 100 if quick else 1000
     direct_ttft = await engine_direct(n, TimingModel(instant=True))
     process_ttft = await engine_process(n, TimingModel(instant=True))
-    port = free_port()
-    root = start_root(port, mode, TimingModel(instant=True), loop)
-    try:
-        await wait_healthy(port)
-        result = await served(port, root.pid, quick)
-    finally:
-        root.terminate()
-        await anyio.to_thread.run_sync(root.wait, 60)
-    port = free_port()
-    root = start_root(port, mode, CHUNK_TIMING, loop)
-    try:
-        await wait_healthy(port)
-        result["chunk"] = await chunk_costs(port, root.pid, 5 if quick else 20, 5 if quick else 10)
-    finally:
-        root.terminate()
-        await anyio.to_thread.run_sync(root.wait, 60)
+    async with running_root(mode, TimingModel(instant=True), loop) as (port, pid):
+        result = await served(port, pid, quick)
+    async with running_root(mode, CHUNK_TIMING, loop) as (port, pid):
+        result["chunk"] = await chunk_costs(port, pid, 5 if quick else 20, 5 if quick else 10)
     ttft_over = [t - percentile(direct_ttft, 50) for t in result["ttft"]]
     return {
         "ttft_overhead_ms_p50": round(percentile(ttft_over, 50) * 1e3, 3),
