@@ -80,22 +80,30 @@ async def engine_direct(n: int, timing: TimingModel) -> list[float]:
         eos_token_id=257,
     )
     ttft = []
-    tokens = list(PROMPT.encode())
     async with MockEngine(config) as engine:
         for i in range(n):
-            request = PreprocessedRequest(
-                rid=f"direct-{i}",
-                token_ids=tokens,
-                stop_conditions=StopConditions(max_tokens=MAX_TOKENS),
-                sampling_options=SamplingOptions(temperature=0.0),
-            )
+            request = _request(f"direct-{i}")
             start = time.perf_counter()
-            first = -1.0
-            async for _ in engine.generate(request):
-                if first < 0:
-                    first = time.perf_counter() - start
-            ttft.append(first)
+            ttft.append(await _first_output_s(engine.generate(request), start))
     return ttft
+
+
+def _request(rid: str) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        rid=rid,
+        token_ids=list(PROMPT.encode()),
+        stop_conditions=StopConditions(max_tokens=MAX_TOKENS),
+        sampling_options=SamplingOptions(temperature=0.0),
+    )
+
+
+async def _first_output_s(outputs: AsyncIterator[Any], start: float) -> float:
+    """Seconds from ``start`` to the first of ``outputs``, read to the end."""
+    first = -1.0
+    async for _ in outputs:
+        if first < 0:
+            first = time.perf_counter() - start
+    return first
 
 
 async def engine_process(n: int, timing: TimingModel) -> list[float]:
@@ -113,23 +121,14 @@ async def engine_process(n: int, timing: TimingModel) -> list[float]:
     spec = process_child(
         "engine", ENGINE_HOST, "mock", msgspec.msgpack.encode(config), options=options
     )
-    tokens = list(PROMPT.encode())
     ttft = []
     async with open_supervisor([spec]) as sup:
         engine = await sup.child("engine")
         for i in range(n + 20):
-            request = PreprocessedRequest(
-                rid=f"process-{i}",
-                token_ids=tokens,
-                stop_conditions=StopConditions(max_tokens=MAX_TOKENS),
-                sampling_options=SamplingOptions(temperature=0.0),
-            )
+            request = _request(f"process-{i}")
             start = time.perf_counter()
-            first = -1.0
             async with engine.stream(request) as outputs:
-                async for _ in outputs:
-                    if first < 0:
-                        first = time.perf_counter() - start
+                first = await _first_output_s(outputs, start)
             if i >= 20:
                 ttft.append(first)
     return ttft

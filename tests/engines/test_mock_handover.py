@@ -23,7 +23,10 @@ def _live(rid: str, prompt: list[int], done: list[int], max_tokens: int) -> Prep
     return msgspec.structs.replace(req, live_migration=True)
 
 
-def _copy(source: MockEngine, pages: KvPages, target: MockEngine, target_pages: KvPages) -> None:
+async def _deliver(source: MockEngine, pages: KvPages | None, target: MockEngine, rid: str) -> None:
+    """Copy handed-over ``pages`` into the pages ``target`` allocated for request ``rid``."""
+    assert pages is not None
+    target_pages = await target.wait_transfer_target(rid)
     src, dst = source.kv_buffer(pages.dp_rank), target.kv_buffer(target_pages.dp_rank)
     for s, d in zip(pages.block_ids, target_pages.block_ids, strict=True):
         dst[d] = src[s]  # what the NIXL WRITE does
@@ -70,9 +73,7 @@ async def test_hand_over_lets_the_step_in_flight_deliver_its_tokens() -> None:
             expected, _ = await run(reference, request(f"ref{i}", prompt, max_tokens=40))
             live = _live(f"m{i}", prompt, done[i], 40)
             stream = target.generate(live)
-            kv = pages[f"r{i}"]
-            assert kv is not None
-            _copy(source, kv, target, await target.wait_transfer_target(live.rid))
+            await _deliver(source, pages[f"r{i}"], target, live.rid)
             assert target.complete_transfer(live.rid)
             source.release_transfer(f"r{i}")
             rest = tokens_of(await collect(stream))
@@ -103,9 +104,7 @@ async def test_live_migrations_arriving_together_start_in_one_step() -> None:
         lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
         streams = [target.generate(live) for live in lives]
         for i, live in enumerate(lives):
-            kv = pages[f"r{i}"]
-            assert kv is not None
-            _copy(source, kv, target, await target.wait_transfer_target(live.rid))
+            await _deliver(source, pages[f"r{i}"], target, live.rid)
         for i, live in enumerate(lives):
             assert target.complete_transfer(live.rid)
             source.release_transfer(f"r{i}")
@@ -127,9 +126,7 @@ async def test_a_live_migration_whose_peers_never_arrive_still_starts() -> None:
         pages, done = await _handed_over(source)
         first, late = _live("m0", PROMPTS[0], done[0], 30), _live("m1", PROMPTS[1], done[1], 30)
         stream, late_stream = target.generate(first), target.generate(late)
-        kv = pages["r0"]
-        assert kv is not None
-        _copy(source, kv, target, await target.wait_transfer_target(first.rid))
+        await _deliver(source, pages["r0"], target, first.rid)
         await target.wait_transfer_target(late.rid)  # its KV never comes
         assert target.complete_transfer(first.rid)
         with anyio.fail_after(10):
@@ -152,9 +149,7 @@ async def test_live_migrations_received_together_publish_one_kv_event_batch() ->
         lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
         streams = [target.generate(live) for live in lives]
         for i, live in enumerate(lives):
-            kv = pages[f"r{i}"]
-            assert kv is not None
-            _copy(source, kv, target, await target.wait_transfer_target(live.rid))
+            await _deliver(source, pages[f"r{i}"], target, live.rid)
         last = target.kv_events_last_seq()
         for i, live in enumerate(lives):  # their KV arrived in one turn
             assert target.complete_transfer(live.rid)
