@@ -71,21 +71,25 @@ SHORT, LONG = 8, 128
 
 async def engine_direct(n: int, timing: TimingModel) -> list[float]:
     """TTFT of the engine alone (in-process)."""
-    config = MockEngineConfig(
-        timing=timing,
-        kv_events_endpoint=None,
-        kv_events_replay_endpoint=None,
-        metrics_endpoint=None,
-        num_blocks=4096,
-        eos_token_id=257,
-    )
     ttft = []
-    async with MockEngine(config) as engine:
+    async with MockEngine(_engine_config(timing)) as engine:
         for i in range(n):
             request = _request(f"direct-{i}")
             start = time.perf_counter()
             ttft.append(await _first_output_s(engine.generate(request), start))
     return ttft
+
+
+def _engine_config(timing: TimingModel) -> MockEngineConfig:
+    """An engine as the served root's (``start_root``), with nothing published."""
+    return MockEngineConfig(
+        timing=timing,
+        kv_events_endpoint=None,
+        kv_events_replay_endpoint=None,
+        metrics_endpoint=None,
+        num_blocks=8192,
+        eos_token_id=257,
+    )
 
 
 def _request(rid: str) -> PreprocessedRequest:
@@ -109,14 +113,7 @@ async def _first_output_s(outputs: AsyncIterator[Any], start: float) -> float:
 async def engine_process(n: int, timing: TimingModel) -> list[float]:
     """TTFT of the engine in its own process, streamed straight from its process actor (the
     worker's engine host, on the root's loop), with no frontend, request stream or router."""
-    config = MockEngineConfig(
-        timing=timing,
-        kv_events_endpoint=None,
-        kv_events_replay_endpoint=None,
-        metrics_endpoint=None,
-        num_blocks=8192,
-        eos_token_id=257,
-    )
+    config = _engine_config(timing)
     options = ProcessOptions(backend=default_loop())
     spec = process_child(
         "engine", ENGINE_HOST, "mock", msgspec.msgpack.encode(config), options=options
