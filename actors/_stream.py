@@ -96,27 +96,25 @@ class StreamChannel:
         buffer = self._buffer
         if buffer:
             return self._take()
-        if timeout is not None:
-            return await self._receive_within(timeout)
-        while not buffer:
-            if self.finished:
-                self._raise_end()
-            await self._consumer.park()
-        return self._take()
-
-    async def _receive_within(self, timeout: float) -> Any:
-        # No timer per call: the event loop's deadline sweep (the one ask timeouts use) wakes
-        # the consumer if nothing came in time, up to two ticks late.
-        expiry = _Expiry(self._consumer)
+        if timeout is None:
+            while not buffer:
+                if self.finished:
+                    self._raise_end()
+                await self._consumer.park()
+            return self._take()
+        # Timed, in this coroutine (not one more per wait: a stream's consumer waits once per
+        # item). No timer per call: the event loop's deadline sweep (the one ask timeouts use)
+        # wakes the consumer if nothing came in time, up to two ticks late.
+        consumer = self._consumer
+        expiry = _Expiry(consumer)
         self._backend.deadlines.add(timeout, expiry)
-        buffer = self._buffer
         try:
             while not buffer:
                 if self.finished:
                     self._raise_end()
                 if expiry.expired:
                     raise TimeoutError(f"no reply within {timeout} s")
-                await self._consumer.park()
+                await consumer.park()
         finally:
             expiry.done = True
         return self._take()

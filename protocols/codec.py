@@ -16,6 +16,7 @@ compact than packed int32, and it decodes as fast as unpacking packed bytes into
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
@@ -54,7 +55,7 @@ _converter = cattrs.preconf.msgspec.make_converter()
 _by_tag: dict[str, type] = {}
 _tag_of: dict[type, str] = {}
 _decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
-_list_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+_batch_decoders: dict[str, Callable[[msgspec.Raw], list[Any]]] = {}
 _errors_by_tag: dict[str, type[BaseException]] = {}
 
 
@@ -142,17 +143,29 @@ def decode_many(data: bytes | bytearray | memoryview) -> list[Any]:
                 raise CodecError("malformed batch: not a list")
             return messages
         tag, raw = _batch.decode(data)
-        if tag == _MIXED:
-            return [decode(memoryview(item)) for item in _mixed.decode(raw)]
-        cls = _by_tag.get(tag)
-        if cls is None:
-            raise CodecError(f"unknown message tag {tag!r}")
-        if issubclass(cls, msgspec.Struct | enum.Enum):
-            decoded: list[Any] = _list_decoder(cls).decode(raw)
-            return decoded
-        return [_converter.structure(m, cls) for m in _plain_list(raw)]
+        decode_items = _batch_decoders.get(tag)
+        if decode_items is None:
+            decode_items = _batch_decoder(tag)
+        decoded: list[Any] = decode_items(raw)
+        return decoded
     except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as exc:
         raise CodecError(f"malformed batch: {exc}") from None
+
+
+def _batch_decoder(tag: str) -> Callable[[msgspec.Raw], list[Any]]:
+    """How a batch of ``tag`` items decodes (kept per tag: a stream's batches share theirs)."""
+    if tag == _MIXED:
+        return lambda raw: [decode(memoryview(item)) for item in _mixed.decode(raw)]
+    cls = _by_tag.get(tag)
+    if cls is None:
+        raise CodecError(f"unknown message tag {tag!r}")
+    decoder: Callable[[msgspec.Raw], list[Any]]
+    if issubclass(cls, msgspec.Struct | enum.Enum):
+        decoder = msgspec.msgpack.Decoder(list[cls]).decode  # type: ignore[valid-type]
+    else:
+        decoder = lambda raw: [_converter.structure(m, cls) for m in _plain_list(raw)]  # noqa: E731
+    _batch_decoders[tag] = decoder
+    return decoder
 
 
 def _payload_decoder(tag: str) -> Any:
@@ -165,13 +178,6 @@ def _payload_decoder(tag: str) -> Any:
             decoder = _decoders[cls] = msgspec.msgpack.Decoder(cls)
         return decoder.decode
     return lambda raw: _converter.structure(_plain.decode(raw), cls)
-
-
-def _list_decoder(cls: type) -> msgspec.msgpack.Decoder[Any]:
-    decoder = _list_decoders.get(cls)
-    if decoder is None:
-        decoder = _list_decoders[cls] = msgspec.msgpack.Decoder(list[cls])  # type: ignore[valid-type]
-    return decoder
 
 
 def _plain_list(raw: msgspec.Raw) -> list[Any]:

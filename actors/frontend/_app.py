@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from protocols.engine import EngineOutput, PreprocessedRequest
-from protocols.errors import ModelNotFound, Overloaded, RequestError
+from protocols.errors import ModelNotFound, Overloaded, RequestError, StreamIncomplete
 
 from ._backend import Backend, ModelInfo
 from ._chunks import DONE_FRAME, ChatRenderer, CompletionRenderer, Renderer, error_frame
@@ -46,7 +46,13 @@ from ._openai_types import (
 from ._ops import Ops
 from ._pipeline import Choice
 from ._sse import SSEResponse, SSEWriter
-from ._streams import aclose_quietly, next_output, ready_output, until_disconnected
+from ._streams import (
+    STREAM_ENDED,
+    aclose_quietly,
+    next_output,
+    ready_output,
+    until_disconnected,
+)
 
 __all__ = ["create_app"]
 
@@ -376,18 +382,29 @@ class _Frontend:
                 text = echo + text
                 if text or finish is not None:
                     frames.append(renderer.delta(text, finish))
-                ready = ready_output(outputs)
-                while finish is None:
-                    out = ready()
-                    if out is None:
-                        if frames:
-                            await writer.send(b"".join(frames))
-                            frames.clear()
-                        out = await next_output(outputs)
-                    text, finish = choice.on_output(out)
-                    m.tokens(len(out.token_ids))
-                    if text or finish is not None:
-                        frames.append(renderer.delta(text, finish))
+                # The per-chunk loop: its callables looked up once, the iterator's __anext__
+                # awaited directly (next_output's check is the except below).
+                ready, receive = ready_output(outputs), outputs.__anext__
+                on_output, tokens, delta, send = (
+                    choice.on_output,
+                    m.tokens,
+                    renderer.delta,
+                    writer.send,
+                )
+                try:
+                    while finish is None:
+                        out = ready()
+                        if out is None:
+                            if frames:
+                                await send(b"".join(frames))
+                                frames.clear()
+                            out = await receive()
+                        text, finish = on_output(out)
+                        tokens(len(out.token_ids))
+                        if text or finish is not None:
+                            frames.append(delta(text, finish))
+                except StopAsyncIteration:
+                    raise StreamIncomplete(STREAM_ENDED) from None
                 status = "success"
                 if renderer.include_usage:
                     frames.append(renderer.usage(choice.final_usage()))

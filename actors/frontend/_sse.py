@@ -63,7 +63,13 @@ class SSEWriter:
 
     async def send(self, frames: bytes) -> None:
         """Send one or more frames now (as one body chunk: one write, one TCP segment)."""
-        await self._write({"type": "http.response.body", "body": frames, "more_body": True})
+        # The per-chunk path: the server's send awaited here, not through _write (a coroutine
+        # less per chunk).
+        try:
+            await self._send({"type": "http.response.body", "body": frames, "more_body": True})
+        except OSError:
+            await self._client_gone()
+            raise
 
     async def end(self, frames: bytes) -> None:
         """Send the last frames and end the response."""
@@ -74,11 +80,14 @@ class SSEWriter:
         try:
             await self._send(message)
         except OSError:
-            # ASGI 2.4 servers raise OSError for a send after the client left: that is the
-            # client going away, so the producer is cancelled as if the watcher had seen it.
-            self._stop(disconnected=True)
-            await anyio.lowlevel.checkpoint()
+            await self._client_gone()
             raise
+
+    async def _client_gone(self) -> None:
+        # ASGI 2.4 servers raise OSError for a send after the client left: that is the client
+        # going away, so the producer is cancelled as if the watcher had seen it.
+        self._stop(disconnected=True)
+        await anyio.lowlevel.checkpoint()
 
     def _end(self) -> None:
         self._ended = True

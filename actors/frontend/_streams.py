@@ -12,7 +12,14 @@ from starlette.types import Receive
 from protocols.engine import EngineOutput
 from protocols.errors import StreamIncomplete
 
-__all__ = ["CLOSE_TIMEOUT_S", "aclose_quietly", "next_output", "ready_output", "until_disconnected"]
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "STREAM_ENDED",
+    "aclose_quietly",
+    "next_output",
+    "ready_output",
+    "until_disconnected",
+]
 
 log = logging.getLogger("actorserve.frontend")
 
@@ -20,6 +27,8 @@ T = TypeVar("T")
 
 #: How long a backend iterator may take to clean up (send its abort) once closed.
 CLOSE_TIMEOUT_S = 5.0
+#: What a :class:`StreamIncomplete` says of an iterator that ended before its finish reason.
+STREAM_ENDED = "the output stream ended without a finish reason"
 
 
 async def next_output(outputs: AsyncIterator[EngineOutput]) -> EngineOutput:
@@ -27,7 +36,7 @@ async def next_output(outputs: AsyncIterator[EngineOutput]) -> EngineOutput:
     try:
         return await outputs.__anext__()
     except StopAsyncIteration:
-        raise StreamIncomplete("the output stream ended without a finish reason") from None
+        raise StreamIncomplete(STREAM_ENDED) from None
 
 
 async def aclose_quietly(outputs: AsyncIterator[EngineOutput]) -> None:

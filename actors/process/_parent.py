@@ -363,14 +363,8 @@ class ProcessActor(Actor):
 
     def _on_message(self, kind: int, corr: int, body: f.Body) -> None:
         self._last_seen = time.monotonic()
-        if kind == f.REPLY:
-            reply = self.asks.pop(corr, None)
-            if reply is not None:
-                try:
-                    reply.set(codec.decode(body))
-                except codec.CodecError as exc:
-                    reply.fail(exc)
-        elif kind == f.ITEMS or kind == f.END:
+        # A stream's items first: the most frequent message (one per engine step and stream).
+        if kind == f.ITEMS or kind == f.END:
             channel = self.streams.get(corr) if kind == f.ITEMS else self.streams.pop(corr, None)
             if channel is None:
                 return
@@ -384,6 +378,13 @@ class ProcessActor(Actor):
                     return
             if kind == f.END:
                 channel.finish()
+        elif kind == f.REPLY:
+            reply = self.asks.pop(corr, None)
+            if reply is not None:
+                try:
+                    reply.set(codec.decode(body))
+                except codec.CodecError as exc:
+                    reply.fail(exc)
         elif kind == f.ERROR:
             error = codec.decode_error(body)
             if isinstance(error, codec.RemoteError) and error.type_name.endswith(

@@ -108,7 +108,7 @@ class Attempt:
                 raise RequestTimeout(f"request exceeded {self._timeout} s")
             try:
                 # A timed receive: no cancel scope (nor timer) per output.
-                output = await self.outputs.receive(min(self._stall, left))
+                output = await self.outputs.receive(self._stall if self._stall < left else left)
             except StopAsyncIteration:
                 raise StreamIncomplete("the engine stream ended without a finish reason") from None
             except TimeoutError:
