@@ -69,7 +69,15 @@ class Choice:
     for an output that ends the request badly (an engine error, a server-side abort).
     """
 
-    __slots__ = ("_detok", "_min_tokens", "_stop", "completion_tokens", "prompt_tokens", "usage")
+    __slots__ = (
+        "_detok",
+        "_min_tokens",
+        "_stop",
+        "_stops",
+        "completion_tokens",
+        "prompt_tokens",
+        "usage",
+    )
 
     def __init__(
         self,
@@ -81,6 +89,7 @@ class Choice:
     ) -> None:
         self._detok = detokenizer
         self._stop = StopMatcher(stop)
+        self._stops = any(stop)  # else feeding the matcher is a no-op: skipped per output
         self._min_tokens = min_tokens
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
@@ -93,7 +102,7 @@ class Choice:
             self.completion_tokens += len(out.token_ids)
             text = self._detok.step(out.token_ids)
             # Like vLLM, stop strings count only once min_tokens were generated.
-            if self.completion_tokens >= self._min_tokens:
+            if self._stops and self.completion_tokens >= self._min_tokens:
                 text, stopped = self._stop.feed(text)
                 if stopped:
                     return text, "stop"

@@ -138,6 +138,10 @@ class _ByteDetokenizer:
 
     def step(self, token_ids: Sequence[int]) -> str:
         if token_ids and not 0 <= token_ids[0] < 256:
+            if len(token_ids) == 1 and not self._partial:
+                # One word id, the usual output of the mock's decode step: what _mixed gives.
+                tid = token_ids[0]
+                return "" if tid in (ByteTokenizer.BOS, ByteTokenizer.EOS) else _word(tid)
             return self._mixed(token_ids)  # (bytes() would only fail on it)
         try:
             # Fast path: only byte ids (bytes() rejects anything outside 0-255).

@@ -224,7 +224,8 @@ class RequestOutputs:
         """An output that is already here, or ``None`` (never waits, never raises: what ends an
         attempt is for :meth:`__anext__` to handle)."""
         attempt = self._attempt
-        if attempt is None or self._error is not None:
+        # Nothing buffered (the usual case between outputs): no call into the attempt.
+        if attempt is None or self._error is not None or not attempt.outputs.buffered:
             return None
         try:
             return attempt.receive_nowait()

@@ -83,6 +83,13 @@ def test_byte_detokenizer_streaming_matches_decode(ids: list[int], sizes: list[i
     assert "".join(_stream(tok.detokenizer([]), ids, sizes)) == tok.decode(ids)
 
 
+@given(st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=60))
+def test_byte_detokenizer_one_id_per_step_matches_decode(ids: list[int]) -> None:
+    # One id per step is the decode loop's usual output (a fast path for a lone word id).
+    tok = ByteTokenizer()
+    assert "".join(_stream(tok.detokenizer([]), ids, [1])) == tok.decode(ids)
+
+
 def test_word_ids_are_printable_and_deterministic() -> None:
     tok = ByteTokenizer()
     words = [tok.decode([i]) for i in range(258, 600)]
