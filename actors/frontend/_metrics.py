@@ -1,8 +1,5 @@
 """Frontend Prometheus metrics, in the spirit of Dynamo's ``dynamo_frontend_*`` families.
 
-The two updated per streamed chunk (inter-token latency, output tokens) are
-:mod:`._loopmetrics`' lock-free ones, the rest prometheus_client's.
-
 All live on the registry the caller passes in (the process's telemetry registry), prefixed
 ``actorserve_frontend_``. ``model`` is the served model's name, or ``""`` when the request named
 no served model (so bad requests cannot blow up the label cardinality).
@@ -15,8 +12,6 @@ import weakref
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from ._loopmetrics import LoopCounter, LoopHistogram
 
 __all__ = ["FrontendMetrics", "RequestMetrics"]
 
@@ -74,8 +69,7 @@ class FrontendMetrics:
             buckets=_TTFT_BUCKETS,
             registry=registry,
         )
-        # The two series updated per streamed chunk: without a lock per update.
-        self.itl = LoopHistogram(
+        self.itl = Histogram(
             name("inter_token_latency_seconds"),
             "Time between streamed outputs, per token.",
             ["model"],
@@ -103,7 +97,7 @@ class FrontendMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=registry,
         )
-        self.output_tokens = LoopCounter(
+        self.output_tokens = Counter(
             name("output_tokens"),
             "Generated tokens, counted as they stream.",
             ["model"],
