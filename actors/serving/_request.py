@@ -28,7 +28,7 @@ import attrs
 import msgspec
 import structlog
 
-from actors import Actor, ActorError, ActorRef, ReplyError
+from actors import Actor, ActorError, ReplyError, ReplyStream
 from actors.serving._attempt import (
     Attempt,
     Begin,
@@ -45,10 +45,10 @@ from actors.serving._metrics import (
     MIGRATION_SECONDS,
     MIGRATIONS,
 )
-from actors.serving._router import Route, Routed
-from actors.serving._routing import RoutingTable
+from actors.serving._router import Routed
+from actors.serving._routing import Policy, Role, RoutingTable
 from protocols import control
-from protocols.engine import BootstrapInfo, PreprocessedRequest, StopConditions
+from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, StopConditions
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
@@ -69,6 +69,7 @@ class StreamOptions:
     migration_limit: int = 3
     stall_timeout: float = 30.0  # longest gap between two outputs
     request_timeout: float = 600.0  # the whole request
+    router: Policy = "kv_aware"  # how workers are picked (the router's policy)
     buffer: int = 16
 
 
@@ -82,12 +83,9 @@ class RequestStream(Actor):
 
     reply_errors = (RequestError,)
 
-    def __init__(
-        self, router: ActorRef[Any], options: StreamOptions, table: RoutingTable | None = None
-    ) -> None:
-        self.router = router
-        self.options = options
+    def __init__(self, table: RoutingTable, options: StreamOptions) -> None:
         self.table = table
+        self.options = options
         self._progress: Progress | None = None
         self._attempt: Attempt | None = None  # the one being read: its router slot is ours
         self._excluded: tuple[str, ...] = ()
@@ -96,9 +94,13 @@ class RequestStream(Actor):
 
     async def receive(self, message: Any) -> Any:
         match message:
-            case Begin(request=request):
+            case Begin(request=request, ticket=ticket):
                 if self._progress is not None:
                     raise ReplyError("a request stream serves one request")
+                ticket.ref = self.ref  # from now on its consumer tells us when it gives up
+                if ticket.closed:  # it gave up before we ran
+                    self._finish(cancelled=True)
+                    raise ReplyError("the request was cancelled before it started")
                 deadline = time.monotonic() + self.options.request_timeout
                 self._progress = Progress(request, deadline)
                 return await self._next(None, None)
@@ -244,49 +246,53 @@ class RequestStream(Actor):
         progress = self._progress
         assert progress is not None
         if progress.live is not None:  # continue from the handed-over KV
-            routed: Routed = await self.router.ask(Route(request, self._excluded, role="decode"))
-            return routed, request
+            return self._take("decode", request, self._excluded), request
         if self.options.disaggregated:
-            return await self._dispatch_prefill(request, self._excluded, progress.deadline)
-        route = Route(request, self._excluded)
+            return await self._dispatch_prefill(request, progress.deadline)
         retrying = progress.failed_at is not None
-        return await self._route(route, progress.deadline, retrying=retrying), request
+        routed = await self._route("aggregated", request, progress.deadline, retrying=retrying)
+        return routed, request
 
-    async def _route(self, route: Route, deadline: float, *, retrying: bool) -> Routed:
-        """Ask the router; while migrating, wait (within the deadline) for a worker of the role to
-        become routable again rather than fail: a single worker may be restarting."""
+    def _take(self, role: Role, request: PreprocessedRequest, exclude: tuple[str, ...]) -> Routed:
+        """Route here, from the routing view (no hop to the router actor: the view lives on this
+        event loop, and the in-flight count is the router's own, see ``RoutingTable.take``)."""
+        entry = self.table.take(role, self.options.router, request.token_ids, exclude)
+        return Routed(entry.id, entry.engine, entry.capacity.bootstrap)
+
+    async def _route(
+        self, role: Role, request: PreprocessedRequest, deadline: float, *, retrying: bool
+    ) -> Routed:
+        """Route; while migrating, wait (within the deadline) for a worker of the role to become
+        routable again rather than fail: a single worker may be restarting."""
+        exclude = self._excluded
         while True:
             try:
-                routed: Routed = await self.router.ask(route)
-                return routed
+                return self._take(role, request, exclude)
             except NoWorkerAvailable:
                 left = deadline - time.monotonic()
-                if not retrying or self.table is None or left <= 0:
+                if not retrying or left <= 0:
                     raise
                 with anyio.move_on_after(min(left, self.options.stall_timeout)) as scope:
-                    await self.table.wait_routable(1, route.role)
+                    await self.table.wait_routable(1, role)
                 if scope.cancelled_caught:
                     raise
                 # Whatever is routable now may take it, the excluded worker too (restarted, it
                 # is a new engine): else a lone worker's exclusion spins here until the deadline.
-                route = attrs.evolve(route, exclude=())
+                exclude = ()
 
     async def _dispatch_prefill(
-        self, request: PreprocessedRequest, exclude: tuple[str, ...], deadline: float
+        self, request: PreprocessedRequest, deadline: float
     ) -> tuple[Routed, PreprocessedRequest]:
-        """Disaggregated: pick a prefill and a decode worker, start the prefill with a fresh room
-        and return the decode side's routing and request (decode starts concurrently, as in
-        SGLang's bootstrap protocol). With no prefill worker routable, decode serves the request
-        alone (Dynamo's decode-only fallback)."""
-        decode = await self._route(Route(request, exclude, role="decode"), deadline, retrying=True)
+        """Disaggregated: pick a decode and a prefill worker, send the prefill its request with a
+        fresh room and return the decode side's routing and request (sent by the caller at once:
+        both start together, as in SGLang's bootstrap protocol). With no prefill worker routable,
+        decode serves the request alone (Dynamo's decode-only fallback)."""
+        decode = await self._route("decode", request, deadline, retrying=True)
         try:
-            prefill = await self.router.ask(Route(request, role="prefill"))
+            prefill = self._take("prefill", request, ())
         except NoWorkerAvailable:
             FALLBACKS.labels(self.options.model).inc()
             return decode, msgspec.structs.replace(request, bootstrap_info=None)
-        except BaseException:
-            self._done(decode)
-            raise
         if prefill.bootstrap is None:
             self._done(prefill)
             self._done(decode)
@@ -296,18 +302,27 @@ class RequestStream(Actor):
         prefill_request = msgspec.structs.replace(
             request, bootstrap_info=boot, stop_conditions=stop
         )
-        self.start_soon(self._prefill, prefill, prefill_request, name=f"prefill {request.rid}")
+        try:
+            # Sent here, not from the task below: the prefill (the first step of the client's
+            # time to first token) goes out with the decode request, a task switch sooner.
+            outputs = prefill.engine.stream(prefill_request, buffer=4)
+        except ActorError as exc:  # on the decode side, a (migratable) KV transfer error
+            _log.info("prefill failed", rid=request.rid, worker=prefill.worker_id, error=str(exc))
+            self._done(prefill)
+        else:
+            name = f"prefill {request.rid}"
+            self.start_soon(self._prefill, prefill, request.rid, outputs, name=name)
         return decode, msgspec.structs.replace(request, bootstrap_info=boot)
 
-    async def _prefill(self, routed: Routed, request: PreprocessedRequest) -> None:
+    async def _prefill(self, routed: Routed, rid: str, outputs: ReplyStream[EngineOutput]) -> None:
         """Drain the prefill stream: it ends when the KV transfer reached a terminal state. A
         failure here surfaces on the decode side as a (migratable) KV transfer error."""
         try:
-            async with routed.engine.stream(request, buffer=4) as outputs:
+            async with outputs:
                 async for _ in outputs:
                     pass
         except (RequestError, ActorError) as exc:
-            _log.info("prefill failed", rid=request.rid, worker=routed.worker_id, error=str(exc))
+            _log.info("prefill failed", rid=rid, worker=routed.worker_id, error=str(exc))
         finally:
             self._done(routed)
 
@@ -320,11 +335,7 @@ class RequestStream(Actor):
             pass
 
     def _done(self, routed: Routed) -> None:
-        # Fire and forget: this runs while a cancellation may be unwinding us.
-        try:
-            self.router.tell_nowait(routed.done())
-        except ActorError:
-            pass
+        self.table.done(routed.worker_id)
 
 
 def _typed(exc: BaseException) -> RequestError:
