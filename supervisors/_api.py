@@ -7,7 +7,7 @@ from typing import Any, Literal, TypeVar, overload
 import attrs
 
 from actors import ActorError, ActorRef, Call
-from actors.lowlevel import Reply
+from actors.lowlevel import Reply, backend
 from supervisors._errors import ChildStartFailed
 from supervisors._spec import ChildSpec
 
@@ -79,6 +79,7 @@ class StartChildAsk(Call[tuple[ActorRef[Any] | None, Reply, ChildStartFailed | N
 
     message: Any
     args: tuple[Any, ...] = ()
+    reply: Reply | None = None  # the caller's, else a new one
 
 
 @attrs.frozen
@@ -164,7 +165,14 @@ class SupervisorRef:
         ``message``: a caller that must then end it learns its ref some other way (through the
         message, say).
         """
-        ref, reply, failure = await self.ref.ask(StartChildAsk(message, args), timeout=timeout)
+        # The supervisor's own event loop backend (bound with it): none to look up per call.
+        reply = (self.ref._cell.backend or backend()).reply()
+        try:
+            ask = StartChildAsk(message, args, reply)
+            ref, _, failure = await self.ref.ask(ask, timeout=timeout)
+        except BaseException:
+            reply.discard()  # cancelled: the child may still answer, to nobody
+            raise
         if ref is None:
             try:
                 await reply.wait(None)  # done: read, so no failed reply is left unread

@@ -146,8 +146,8 @@ class Supervisor(Actor):
                     await self._restart_group(due)
             case api.StartChild(spec=spec, args=args):
                 return await self._start_child(spec, args)
-            case api.StartChildAsk(message=first, args=args):
-                return await self._start_child_ask(first, args)
+            case api.StartChildAsk(message=first, args=args, reply=reply):
+                return await self._start_child_ask(first, args, reply)
             case api.TerminateChild(key=key):
                 await self._terminate_child(key)
             case api.RestartChild(child_id=child_id):
@@ -446,11 +446,12 @@ class Supervisor(Actor):
         return child
 
     async def _start_child_ask(
-        self, message: Any, args: tuple[Any, ...]
+        self, message: Any, args: tuple[Any, ...], reply: Reply | None
     ) -> tuple[ActorRef[Any] | None, Reply, ChildStartFailed | None]:
         if not self._dynamic:
             raise SupervisorError("start_dynamic_ask needs a simple_one_for_one supervisor")
-        reply = self._runtime.backend.reply()
+        if reply is None:
+            reply = self._runtime.backend.reply()
         try:
             ref = await self._start_child(None, args, (ASK, message, reply))
         except ChildStartFailed as exc:

@@ -28,7 +28,7 @@ import attrs
 import msgspec
 import structlog
 
-from actors import Actor, ActorError, ReplyError, ReplyStream
+from actors import Actor, ActorError, ReplyError
 from actors.serving._attempt import (
     Attempt,
     Begin,
@@ -45,10 +45,11 @@ from actors.serving._metrics import (
     MIGRATION_SECONDS,
     MIGRATIONS,
 )
+from actors.serving._prefill import Prefill, PrefillFirstAttempt
 from actors.serving._router import Routed
 from actors.serving._routing import Policy, Role, RoutingTable
 from protocols import control
-from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, StopConditions
+from protocols.engine import BootstrapInfo, PreprocessedRequest, StopConditions
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
@@ -140,6 +141,8 @@ class RequestStream(Actor):
         attempt, self._attempt = self._attempt, None
         if attempt is not None:
             attempt.outputs.close()  # a no-op if it ended (or its consumer closed it)
+            if isinstance(attempt, PrefillFirstAttempt):
+                attempt.release_prefill()  # unread: drained by its task
             self._done(attempt.routed)
 
     async def _next(self, failed: Attempt | None, exc: BaseException | None) -> Attempt:
@@ -156,25 +159,39 @@ class RequestStream(Actor):
             while True:
                 if error is not None:
                     request = self._migration(error, routed, offer, request)
-                routed = offer = None
+                routed = offer = prefill = None
                 try:
-                    routed, request = await self._route_request(request)
+                    routed, request, prefill = await self._route_request(request)
                     outputs = routed.engine.stream(request, buffer=self.options.buffer)
                 except (RequestError, ActorError) as route_exc:
                     if routed is not None:
                         self._done(routed)
+                    if prefill is not None:
+                        prefill.read.set()
                     error = _typed(route_exc)
                     continue
                 opts = self.options
-                attempt = self._attempt = Attempt(
-                    routed,
-                    request,
-                    outputs,
-                    progress,
-                    model=opts.model,
-                    stall_timeout=opts.stall_timeout,
-                    request_timeout=opts.request_timeout,
-                )
+                if prefill is None:
+                    attempt = self._attempt = Attempt(
+                        routed,
+                        request,
+                        outputs,
+                        progress,
+                        model=opts.model,
+                        stall_timeout=opts.stall_timeout,
+                        request_timeout=opts.request_timeout,
+                    )
+                else:
+                    attempt = self._attempt = PrefillFirstAttempt(
+                        routed,
+                        request,
+                        outputs,
+                        progress,
+                        prefill,
+                        model=opts.model,
+                        stall_timeout=opts.stall_timeout,
+                        request_timeout=opts.request_timeout,
+                    )
                 return attempt
         except RequestError:
             self._finish(cancelled=False)
@@ -241,17 +258,18 @@ class RequestStream(Actor):
 
     async def _route_request(
         self, request: PreprocessedRequest
-    ) -> tuple[Routed, PreprocessedRequest]:
-        """The worker for the next attempt, and the request to send it."""
+    ) -> tuple[Routed, PreprocessedRequest, Prefill | None]:
+        """The worker for the next attempt, the request to send it and, disaggregated, the
+        prefill whose first output is the client's first token (sent already)."""
         progress = self._progress
         assert progress is not None
         if progress.live is not None:  # continue from the handed-over KV
-            return self._take("decode", request, self._excluded), request
+            return self._take("decode", request, self._excluded), request, None
         if self.options.disaggregated:
             return await self._dispatch_prefill(request, progress.deadline)
         retrying = progress.failed_at is not None
         routed = await self._route("aggregated", request, progress.deadline, retrying=retrying)
-        return routed, request
+        return routed, request, None
 
     def _take(self, role: Role, request: PreprocessedRequest, exclude: tuple[str, ...]) -> Routed:
         """Route here, from the routing view (no hop to the router actor: the view lives on this
@@ -282,43 +300,54 @@ class RequestStream(Actor):
 
     async def _dispatch_prefill(
         self, request: PreprocessedRequest, deadline: float
-    ) -> tuple[Routed, PreprocessedRequest]:
+    ) -> tuple[Routed, PreprocessedRequest, Prefill | None]:
         """Disaggregated: pick a decode and a prefill worker, send the prefill its request with a
         fresh room and return the decode side's routing and request (sent by the caller at once:
-        both start together, as in SGLang's bootstrap protocol). With no prefill worker routable,
-        decode serves the request alone (Dynamo's decode-only fallback)."""
+        both start together, as in SGLang's bootstrap protocol), with the prefill if its first
+        token is the client's. With no prefill worker routable, decode serves the request alone
+        (Dynamo's decode-only fallback)."""
         decode = await self._route("decode", request, deadline, retrying=True)
         try:
-            prefill = self._take("prefill", request, ())
+            routed = self._take("prefill", request, ())
         except NoWorkerAvailable:
             FALLBACKS.labels(self.options.model).inc()
-            return decode, msgspec.structs.replace(request, bootstrap_info=None)
-        if prefill.bootstrap is None:
-            self._done(prefill)
+            return decode, msgspec.structs.replace(request, bootstrap_info=None), None
+        if routed.bootstrap is None:
+            self._done(routed)
             self._done(decode)
-            raise EngineFailure(f"prefill worker {prefill.worker_id} has no bootstrap endpoint")
-        boot = msgspec.structs.replace(prefill.bootstrap, room=secrets.randbits(63))
-        stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
+            raise EngineFailure(f"prefill worker {routed.worker_id} has no bootstrap endpoint")
+        boot = msgspec.structs.replace(routed.bootstrap, room=secrets.randbits(63))
+        stop = request.stop_conditions
+        # One step. The first token is sampled as decode would (no end of sequence where
+        # min_tokens forbids it): it may be the client's.
+        min_tokens = 1 if stop.min_tokens else None
+        prefill_stop = msgspec.structs.replace(stop, max_tokens=1, min_tokens=min_tokens)
         prefill_request = msgspec.structs.replace(
-            request, bootstrap_info=boot, stop_conditions=stop
+            request, bootstrap_info=boot, stop_conditions=prefill_stop
         )
+        decode_request = msgspec.structs.replace(request, bootstrap_info=boot)
         try:
             # Sent here, not from the task below: the prefill (the first step of the client's
             # time to first token) goes out with the decode request, a task switch sooner.
-            outputs = prefill.engine.stream(prefill_request, buffer=4)
+            outputs = routed.engine.stream(prefill_request, buffer=4)
         except ActorError as exc:  # on the decode side, a (migratable) KV transfer error
-            _log.info("prefill failed", rid=request.rid, worker=prefill.worker_id, error=str(exc))
-            self._done(prefill)
-        else:
-            name = f"prefill {request.rid}"
-            self.start_soon(self._prefill, prefill, request.rid, outputs, name=name)
-        return decode, msgspec.structs.replace(request, bootstrap_info=boot)
+            _log.info("prefill failed", rid=request.rid, worker=routed.worker_id, error=str(exc))
+            self._done(routed)
+            return decode, decode_request, None
+        prefill = Prefill(routed, outputs)
+        if stop.max_tokens == 0:
+            prefill.read.set()  # its token is past the client's limit: never the client's
+        self.start_soon(self._prefill, prefill, request.rid, name=f"prefill {request.rid}")
+        return decode, decode_request, None if prefill.read.is_set() else prefill
 
-    async def _prefill(self, routed: Routed, rid: str, outputs: ReplyStream[EngineOutput]) -> None:
-        """Drain the prefill stream: it ends when the KV transfer reached a terminal state. A
-        failure here surfaces on the decode side as a (migratable) KV transfer error."""
+    async def _prefill(self, prefill: Prefill, rid: str) -> None:
+        """Drain the prefill stream once its consumer read what it wanted of it: it ends when the
+        KV transfer reached a terminal state. A failure here surfaces on the decode side as a
+        (migratable) KV transfer error."""
+        routed = prefill.routed
         try:
-            async with outputs:
+            async with prefill.outputs as outputs:
+                await prefill.read.wait()
                 async for _ in outputs:
                     pass
         except (RequestError, ActorError) as exc:

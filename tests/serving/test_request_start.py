@@ -1,10 +1,15 @@
 """A request's start: its request stream is started with the request in its mailbox and routes
 from the routing view itself. A consumer that gives up before the stream took the request still
 ends it (its :class:`~actors.serving._attempt.Ticket`), and the in-flight counts the router keeps
-come back to zero however requests end."""
+come back to zero however requests end. Disaggregated, the client's first token is the prefill's
+(before any KV reached decode), and goes with the request when it migrates."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 from typing import Any
 
 import anyio
@@ -94,4 +99,107 @@ async def test_in_flight_counts_come_back_to_zero(mode: str) -> None:
                 for i in range(12):
                     tg.start_soon(one, i)
         assert all(r["error"] is None and r["finish"] == "length" for r in results)
+        await _settled(tree)
+
+
+async def _first_chunk_then(
+    tree: Tree, prompt: str, max_tokens: int, after_first: Any
+) -> dict[str, Any]:
+    """A streamed completion whose first chunk runs ``after_first()`` (awaited) before reading
+    on (or going away, if it returns true): the text, finish reason, usage and error."""
+    body = {
+        "model": "mock",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    text, finish, usage, error, first = "", None, None, None, True
+    # Gone by a cancellation, as a client that disconnects (a break would leave httpx's
+    # generators to the garbage collector).
+    with anyio.CancelScope() as gone:
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            async with client.stream("POST", "/v1/completions", json=body, timeout=60) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    error = event.get("error") or error
+                    for choice in event.get("choices", []):
+                        text += choice.get("text") or ""
+                        finish = choice.get("finish_reason") or finish
+                    usage = event.get("usage") or usage
+                    if first and text:
+                        first = False
+                        if await after_first():
+                            gone.cancel()
+    return {"text": text, "finish": finish, "usage": usage, "error": error}
+
+
+async def _decode_pids(tree: Tree) -> dict[str, int]:
+    return {
+        w: (await tree.engine_stats(w)).pid for w, r in tree.serving.roles.items() if r == "decode"
+    }
+
+
+def _routed_decode(tree: Tree) -> str:
+    [worker] = [
+        w.id for w in tree.serving.table.workers.values() if w.role == "decode" and w.active
+    ]
+    return worker
+
+
+PROMPT = "the first token comes from the prefill worker " * 3
+
+
+async def test_the_first_token_comes_from_prefill_and_migrates_with_the_request() -> None:
+    async with serving_tree(mode="aggregated", decode_workers=1) as agg:
+        async with httpx.AsyncClient(base_url=agg.url) as client:
+            expected = await _stream_text(client, PROMPT, 24)
+    async with serving_tree(**DISAGG) as tree:
+        pids = await _decode_pids(tree)
+        for pid in pids.values():  # no KV can land, no decode step can run
+            os.kill(pid, signal.SIGSTOP)
+        try:
+
+            async def kill_the_routed_decode() -> bool:
+                # The first token is here with both decode workers stopped: the prefill's. The
+                # routed decode worker dies before its own first output; the request migrates
+                # with that token counted as generated.
+                victim = _routed_decode(tree)
+                os.kill(pids[victim], signal.SIGKILL)
+                for worker, pid in pids.items():
+                    if worker != victim:
+                        os.kill(pid, signal.SIGCONT)
+                return False
+
+            got = await _first_chunk_then(tree, PROMPT, 24, kill_the_routed_decode)
+        finally:
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        assert got["error"] is None, got["error"]
+        assert got["text"] == expected["text"]
+        assert got["finish"] == "length"
+        assert got["usage"]["completion_tokens"] == 24
+        await tree.wait_ready()
+        await _settled(tree)
+
+
+async def test_a_cancel_after_the_prefills_first_token_frees_both_sides() -> None:
+    async with serving_tree(**DISAGG) as tree:
+        pids = await _decode_pids(tree)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        try:
+
+            async def cancel() -> bool:
+                return True  # the client goes away, the decode side still waits for the KV
+
+            got = await _first_chunk_then(tree, PROMPT, 24, cancel)
+        finally:
+            for pid in pids.values():
+                os.kill(pid, signal.SIGCONT)
+        assert got["text"] and got["finish"] is None
         await _settled(tree)
