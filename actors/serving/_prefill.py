@@ -110,7 +110,7 @@ class PrefillFirstAttempt(Attempt):
             pass
         finally:
             self.release_prefill()  # cancelled too: the actor drains it
-        if output is None or not output.token_ids or self.finished:
+        if output is None or not output.token_ids:
             return None
         token = output.token_ids[0]
         self._repeat = token

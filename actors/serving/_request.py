@@ -28,7 +28,7 @@ import attrs
 import msgspec
 import structlog
 
-from actors import Actor, ActorError, ReplyError
+from actors import Actor, ActorError, ReplyError, ReplyStream
 from actors.serving._attempt import (
     Attempt,
     Begin,
@@ -49,7 +49,7 @@ from actors.serving._prefill import Prefill, PrefillFirstAttempt
 from actors.serving._router import Routed
 from actors.serving._routing import Policy, Role, RoutingTable
 from protocols import control
-from protocols.engine import BootstrapInfo, PreprocessedRequest, StopConditions
+from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, StopConditions
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
@@ -167,35 +167,36 @@ class RequestStream(Actor):
                     if routed is not None:
                         self._done(routed)
                     if prefill is not None:
-                        prefill.read.set()
+                        self._drain(prefill, request.rid, read=True)
                     error = _typed(route_exc)
                     continue
-                opts = self.options
-                if prefill is None:
-                    attempt = self._attempt = Attempt(
-                        routed,
-                        request,
-                        outputs,
-                        progress,
-                        model=opts.model,
-                        stall_timeout=opts.stall_timeout,
-                        request_timeout=opts.request_timeout,
-                    )
-                else:
-                    attempt = self._attempt = PrefillFirstAttempt(
-                        routed,
-                        request,
-                        outputs,
-                        progress,
-                        prefill,
-                        model=opts.model,
-                        stall_timeout=opts.stall_timeout,
-                        request_timeout=opts.request_timeout,
-                    )
+                if prefill is not None:
+                    # After both sends: starting a task is the costliest step here.
+                    self._drain(prefill, request.rid, read=request.stop_conditions.max_tokens == 0)
+                    if prefill.read.is_set():
+                        prefill = None
+                attempt = self._attempt = self._new_attempt(routed, request, outputs, prefill)
                 return attempt
         except RequestError:
             self._finish(cancelled=False)
             raise
+
+    def _new_attempt(
+        self,
+        routed: Routed,
+        request: PreprocessedRequest,
+        outputs: ReplyStream[EngineOutput],
+        prefill: Prefill | None,
+    ) -> Attempt:
+        progress = self._progress
+        assert progress is not None
+        opts = self.options
+        timeouts = {"stall_timeout": opts.stall_timeout, "request_timeout": opts.request_timeout}
+        if prefill is None:
+            return Attempt(routed, request, outputs, progress, model=opts.model, **timeouts)
+        return PrefillFirstAttempt(
+            routed, request, outputs, progress, prefill, model=opts.model, **timeouts
+        )
 
     def _migration(
         self,
@@ -334,11 +335,14 @@ class RequestStream(Actor):
             _log.info("prefill failed", rid=request.rid, worker=routed.worker_id, error=str(exc))
             self._done(routed)
             return decode, decode_request, None
-        prefill = Prefill(routed, outputs)
-        if stop.max_tokens == 0:
-            prefill.read.set()  # its token is past the client's limit: never the client's
-        self.start_soon(self._prefill, prefill, request.rid, name=f"prefill {request.rid}")
-        return decode, decode_request, None if prefill.read.is_set() else prefill
+        return decode, decode_request, Prefill(routed, outputs)
+
+    def _drain(self, prefill: Prefill, rid: str, *, read: bool) -> None:
+        """Start draining ``prefill`` (once its consumer read it, unless ``read``: it never
+        will; a token past the client's ``max_tokens`` never is the client's)."""
+        if read:
+            prefill.read.set()
+        self.start_soon(self._prefill, prefill, rid, name=f"prefill {rid}")
 
     async def _prefill(self, prefill: Prefill, rid: str) -> None:
         """Drain the prefill stream once its consumer read what it wanted of it: it ends when the
