@@ -47,6 +47,11 @@ class Reply(Protocol):
         """Await it for the value, or the error; ``TimeoutError`` after ``timeout`` seconds."""
         ...
 
+    def discard(self) -> None:
+        """Nobody will wait for it: drop its outcome, come or to come (asyncio would otherwise
+        log an error nobody read)."""
+        ...
+
 
 class Backend(Protocol):
     name: str
@@ -107,6 +112,13 @@ class _AioReply:
     def expire(self) -> None:
         if not self._fut.done():
             self._fut.set_exception(TimeoutError())
+
+    def discard(self) -> None:
+        fut = self._fut
+        if not fut.done():
+            fut.cancel()  # what comes later is dropped
+        elif not fut.cancelled():
+            fut.exception()  # read: never logged as unretrieved
 
     def wait(self, timeout: float | None) -> Awaitable[Any]:
         # The future itself: the asker awaits it with no coroutine of ours in between.

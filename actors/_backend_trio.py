@@ -83,6 +83,10 @@ class _TrioReply:
     def expire(self) -> None:
         self.fail(TimeoutError())
 
+    def discard(self) -> None:
+        if self._value is _PENDING and self._error is None:
+            self._error = ABANDONED
+
     def _abort(self, _: Any) -> Abort:
         self._task = None
         # The waiter is gone (cancelled): done, so a pending deadline does not outlive it.

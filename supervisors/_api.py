@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, overload
 
 import attrs
 
-from actors import ActorRef, Call
+from actors import ActorError, ActorRef, Call
+from actors.lowlevel import Reply, backend
+from supervisors._errors import ChildStartFailed
 from supervisors._spec import ChildSpec
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "GetChildSpec",
     "RestartChild",
     "StartChild",
+    "StartChildAsk",
     "SupervisorRef",
     "SupervisorStatistics",
     "TerminateChild",
@@ -24,6 +27,7 @@ __all__ = [
 ]
 
 ChildKey = str | ActorRef[Any]
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -65,6 +69,17 @@ class SupervisorStatistics:
 class StartChild(Call["ActorRef[Any] | None"]):
     spec: ChildSpec | None = None
     args: tuple[Any, ...] = ()
+
+
+@attrs.frozen
+class StartChildAsk(Call[tuple[ActorRef[Any] | None, Reply, ChildStartFailed | None]]):
+    """``simple_one_for_one``: start a child with ``message`` already in its mailbox, as an ask
+    whose reply comes in the returned :class:`~actors.lowlevel.Reply`; with the start's failure,
+    if it failed (the reply is then done too, so the caller always reads it)."""
+
+    message: Any
+    args: tuple[Any, ...] = ()
+    reply: Reply | None = None  # the caller's, else a new one
 
 
 @attrs.frozen
@@ -126,6 +141,47 @@ class SupervisorRef:
     async def start_dynamic(self, *args: Any, timeout: float | None = None) -> ActorRef[Any] | None:
         """``simple_one_for_one``: start a child from the template with ``args``."""
         return await self.ref.ask(StartChild(args=args), timeout=timeout)
+
+    @overload
+    async def start_dynamic_ask(
+        self, message: Call[T], *args: Any, timeout: float | None = ...
+    ) -> tuple[ActorRef[Any], T] | None: ...
+
+    @overload
+    async def start_dynamic_ask(
+        self, message: object, *args: Any, timeout: float | None = ...
+    ) -> tuple[ActorRef[Any], Any] | None: ...
+
+    async def start_dynamic_ask(
+        self, message: Any, *args: Any, timeout: float | None = None
+    ) -> tuple[ActorRef[Any], Any] | None:
+        """``simple_one_for_one``: start a child from the template with ``args`` and ask it
+        ``message``; its ref and reply (``None`` if it started as ``ignore``).
+
+        The message is in the child's mailbox before it starts, so the child handles it as soon
+        as it runs: the reply comes one round trip sooner than ``start_dynamic`` then ``ask``.
+        Raises :class:`~supervisors.ChildStartFailed` if the start failed, else what ``ask``
+        raises. Cancelled before it returns, the child may still be started and handle
+        ``message``: a caller that must then end it learns its ref some other way (through the
+        message, say).
+        """
+        # The supervisor's own event loop backend (bound with it): none to look up per call.
+        reply = (self.ref._cell.backend or backend()).reply()
+        try:
+            ask = StartChildAsk(message, args, reply)
+            ref, _, failure = await self.ref.ask(ask, timeout=timeout)
+        except BaseException:
+            reply.discard()  # cancelled: the child may still answer, to nobody
+            raise
+        if ref is None:
+            try:
+                await reply.wait(None)  # done: read, so no failed reply is left unread
+            except (ActorError, ChildStartFailed):
+                pass
+            if failure is not None:
+                raise failure
+            return None
+        return ref, await reply.wait(timeout)
 
     async def terminate_child(self, key: ChildKey, *, timeout: float | None = None) -> None:
         await self.ref.ask(TerminateChild(key), timeout=timeout)

@@ -29,7 +29,7 @@ from actors import (
     RealClock,
     current_registry,
 )
-from actors.lowlevel import OWNER_GONE, TELL, Cell, CellState, Incarnation
+from actors.lowlevel import ASK, OWNER_GONE, TELL, Cell, CellState, Incarnation, Item, Reply
 from supervisors import _api as api
 from supervisors._children import Child
 from supervisors._errors import (
@@ -146,6 +146,8 @@ class Supervisor(Actor):
                     await self._restart_group(due)
             case api.StartChild(spec=spec, args=args):
                 return await self._start_child(spec, args)
+            case api.StartChildAsk(message=first, args=args, reply=reply):
+                return await self._start_child_ask(first, args, reply)
             case api.TerminateChild(key=key):
                 await self._terminate_child(key)
             case api.RestartChild(child_id=child_id):
@@ -180,10 +182,11 @@ class Supervisor(Actor):
         self._children[child_id] = child
         return child
 
-    async def _start(self, child: Child) -> None:
+    async def _start(self, child: Child, first: Item | None = None) -> None:
         """Start one incarnation and wait until it is ready; :class:`ChildStartFailed` if not.
 
-        An ``ignore`` start leaves the child not running and returns normally.
+        An ``ignore`` start leaves the child not running and returns normally. ``first`` is put
+        in the new incarnation's mailbox before it runs.
         """
         try:
             actor = child.spec.start(*child.args)
@@ -191,6 +194,8 @@ class Supervisor(Actor):
             raise self._start_failed(child, exc) from exc
         inc = Incarnation(actor, child.ref)
         child.inc = inc
+        if first is not None:
+            inc.mailbox.put_nowait(first)
         on_exit = functools.partial(self._on_exit, child, inc)
         if self._host is not None:
             self._host.start_soon(inc.run, child.ref._cell, on_exit, name=child.ref.name)
@@ -440,8 +445,24 @@ class Supervisor(Actor):
             raise ChildNotFound(key)
         return child
 
+    async def _start_child_ask(
+        self, message: Any, args: tuple[Any, ...], reply: Reply | None
+    ) -> tuple[ActorRef[Any] | None, Reply, ChildStartFailed | None]:
+        if not self._dynamic:
+            raise SupervisorError("start_dynamic_ask needs a simple_one_for_one supervisor")
+        if reply is None:
+            reply = self._runtime.backend.reply()
+        try:
+            ref = await self._start_child(None, args, (ASK, message, reply))
+        except ChildStartFailed as exc:
+            reply.fail(exc)  # a no-op if the child's end failed it already
+            return None, reply, exc
+        if ref is None:
+            reply.set(None)  # ignored (or already failed by the child's end)
+        return ref, reply, None
+
     async def _start_child(
-        self, spec: ChildSpec | None, args: tuple[Any, ...]
+        self, spec: ChildSpec | None, args: tuple[Any, ...], first: Item | None = None
     ) -> ActorRef[Any] | None:
         if self._dynamic:
             if spec is not None:  # OTP: simple_one_for_one takes start arguments, not specs
@@ -458,7 +479,7 @@ class Supervisor(Actor):
                 raise ChildAlreadyPresent(spec.id)
             child = self._add(spec)
         try:
-            await self._start(child)
+            await self._start(child, first)
         except ChildStartFailed:
             self._forget(child)
             raise

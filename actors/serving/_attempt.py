@@ -30,7 +30,16 @@ from protocols.errors import (
     StreamStalled,
 )
 
-__all__ = ["Attempt", "Begin", "Finish", "Handover", "Progress", "RequestOutputs", "Retry"]
+__all__ = [
+    "Attempt",
+    "Begin",
+    "Finish",
+    "Handover",
+    "Progress",
+    "RequestOutputs",
+    "Retry",
+    "Ticket",
+]
 
 
 @attrs.frozen
@@ -153,11 +162,26 @@ class Attempt:
         return output if output.token_ids else None
 
 
+class Ticket:
+    """The consumer's hold on its request stream: the stream's ref, set once the stream took
+    the request (from then on the consumer tells it :class:`Finish`), and ``closed``, set by a
+    consumer that gave up before (the stream then ends the request at once). Both are set in
+    the one event loop with no await in between, so a consumer that never learned the ref, its
+    start cancelled, still ends its stream."""
+
+    __slots__ = ("closed", "ref")
+
+    def __init__(self) -> None:
+        self.ref: ActorRef[Any] | None = None
+        self.closed = False
+
+
 @attrs.frozen
 class Begin(Call[Attempt]):
     """Start serving ``request``: its first attempt."""
 
     request: PreprocessedRequest
+    ticket: Ticket = attrs.field(factory=Ticket)
 
 
 @attrs.frozen
@@ -180,22 +204,24 @@ class RequestOutputs:
     in the caller's task. :meth:`aclose` ends the request (a client cancel if it had not ended):
     always call it.
 
-    Subclasses may start the actor lazily (:meth:`start`, awaited on the first output).
+    Subclasses may start the actor lazily (:meth:`begin`, awaited on the first output).
     """
 
-    __slots__ = ("_attempt", "_closed", "_error", "_ref", "request")
+    __slots__ = ("_attempt", "_closed", "_error", "_ref", "_ticket", "request")
 
     def __init__(self, ref: ActorRef[Any] | None, request: PreprocessedRequest) -> None:
         self._ref = ref
         self.request = request
+        self._ticket = Ticket()
         self._attempt: Attempt | None = None
         self._error: BaseException | None = None  # found by next_nowait, for __anext__
         self._closed = False
 
-    async def start(self) -> ActorRef[Any]:
-        """The request-stream actor to serve the request (the one given by default)."""
+    async def begin(self, message: Begin) -> Attempt:
+        """Ask the request-stream actor to serve the request (the one given, by default)."""
         assert self._ref is not None
-        return self._ref
+        attempt: Attempt = await self._ref.ask(message, timeout=None)
+        return attempt
 
     def __aiter__(self) -> RequestOutputs:
         return self
@@ -205,8 +231,7 @@ class RequestOutputs:
         if attempt is None:
             if self._closed:
                 raise StopAsyncIteration
-            ref = self._ref = await self.start()
-            attempt = self._attempt = await ref.ask(Begin(self.request), timeout=None)
+            attempt = self._attempt = await self.begin(Begin(self.request, self._ticket))
         elif attempt.finished:
             raise StopAsyncIteration
         while True:
@@ -216,9 +241,10 @@ class RequestOutputs:
                     return await attempt.receive()
                 except (RequestError, ActorError) as exc:
                     error = exc
-            assert self._ref is not None
+            ref = self._ticket.ref
+            assert ref is not None  # it took the request: it gave us the attempt
             # The actor decides: the next attempt, or it raises the request's terminal error.
-            attempt = self._attempt = await self._ref.ask(Retry(attempt, error), timeout=None)
+            attempt = self._attempt = await ref.ask(Retry(attempt, error), timeout=None)
 
     def next_nowait(self) -> EngineOutput | None:
         """An output that is already here, or ``None`` (never waits, never raises: what ends an
@@ -249,11 +275,15 @@ class RequestOutputs:
         finished = attempt is not None and attempt.finished
         if attempt is not None and not finished:
             attempt.outputs.close()  # abort the engine request at once
-        if self._ref is not None:
-            try:
-                self._ref.tell_nowait(Finish(cancelled=not finished))
-            except ActorError:
-                pass  # it ended already (a terminal error stops it)
+        ticket = self._ticket
+        ref = ticket.ref or self._ref
+        if ref is None:
+            ticket.closed = True  # not taken yet (or never will be): it ends it on taking it
+            return
+        try:
+            ref.tell_nowait(Finish(cancelled=not finished))
+        except ActorError:
+            pass  # it ended already (a terminal error stops it)
 
 
 def _drop_repeated(output: EngineOutput, generated: list[int]) -> EngineOutput:

@@ -28,7 +28,7 @@ import attrs
 import msgspec
 import structlog
 
-from actors import Actor, ActorError, ActorRef, ReplyError
+from actors import Actor, ActorError, ReplyError, ReplyStream
 from actors.serving._attempt import (
     Attempt,
     Begin,
@@ -45,10 +45,11 @@ from actors.serving._metrics import (
     MIGRATION_SECONDS,
     MIGRATIONS,
 )
-from actors.serving._router import Route, Routed
-from actors.serving._routing import RoutingTable
+from actors.serving._prefill import Prefill, PrefillFirstAttempt
+from actors.serving._router import Routed
+from actors.serving._routing import Policy, Role, RoutingTable
 from protocols import control
-from protocols.engine import BootstrapInfo, PreprocessedRequest, StopConditions
+from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, StopConditions
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
@@ -69,6 +70,7 @@ class StreamOptions:
     migration_limit: int = 3
     stall_timeout: float = 30.0  # longest gap between two outputs
     request_timeout: float = 600.0  # the whole request
+    router: Policy = "kv_aware"  # how workers are picked (the router's policy)
     buffer: int = 16
 
 
@@ -82,12 +84,9 @@ class RequestStream(Actor):
 
     reply_errors = (RequestError,)
 
-    def __init__(
-        self, router: ActorRef[Any], options: StreamOptions, table: RoutingTable | None = None
-    ) -> None:
-        self.router = router
-        self.options = options
+    def __init__(self, table: RoutingTable, options: StreamOptions) -> None:
         self.table = table
+        self.options = options
         self._progress: Progress | None = None
         self._attempt: Attempt | None = None  # the one being read: its router slot is ours
         self._excluded: tuple[str, ...] = ()
@@ -96,9 +95,13 @@ class RequestStream(Actor):
 
     async def receive(self, message: Any) -> Any:
         match message:
-            case Begin(request=request):
+            case Begin(request=request, ticket=ticket):
                 if self._progress is not None:
                     raise ReplyError("a request stream serves one request")
+                ticket.ref = self.ref  # from now on its consumer tells us when it gives up
+                if ticket.closed:  # it gave up before we ran
+                    self._finish(cancelled=True)
+                    raise ReplyError("the request was cancelled before it started")
                 deadline = time.monotonic() + self.options.request_timeout
                 self._progress = Progress(request, deadline)
                 return await self._next(None, None)
@@ -138,6 +141,8 @@ class RequestStream(Actor):
         attempt, self._attempt = self._attempt, None
         if attempt is not None:
             attempt.outputs.close()  # a no-op if it ended (or its consumer closed it)
+            if isinstance(attempt, PrefillFirstAttempt):
+                attempt.release_prefill()  # unread: drained by its task
             self._done(attempt.routed)
 
     async def _next(self, failed: Attempt | None, exc: BaseException | None) -> Attempt:
@@ -154,29 +159,44 @@ class RequestStream(Actor):
             while True:
                 if error is not None:
                     request = self._migration(error, routed, offer, request)
-                routed = offer = None
+                routed = offer = prefill = None
                 try:
-                    routed, request = await self._route_request(request)
+                    routed, request, prefill = await self._route_request(request)
                     outputs = routed.engine.stream(request, buffer=self.options.buffer)
                 except (RequestError, ActorError) as route_exc:
                     if routed is not None:
                         self._done(routed)
+                    if prefill is not None:
+                        self._drain(prefill, request.rid, read=True)
                     error = _typed(route_exc)
                     continue
-                opts = self.options
-                attempt = self._attempt = Attempt(
-                    routed,
-                    request,
-                    outputs,
-                    progress,
-                    model=opts.model,
-                    stall_timeout=opts.stall_timeout,
-                    request_timeout=opts.request_timeout,
-                )
+                if prefill is not None:
+                    # After both sends: starting a task is the costliest step here.
+                    self._drain(prefill, request.rid, read=request.stop_conditions.max_tokens == 0)
+                    if prefill.read.is_set():
+                        prefill = None
+                attempt = self._attempt = self._new_attempt(routed, request, outputs, prefill)
                 return attempt
         except RequestError:
             self._finish(cancelled=False)
             raise
+
+    def _new_attempt(
+        self,
+        routed: Routed,
+        request: PreprocessedRequest,
+        outputs: ReplyStream[EngineOutput],
+        prefill: Prefill | None,
+    ) -> Attempt:
+        progress = self._progress
+        assert progress is not None
+        opts = self.options
+        timeouts = {"stall_timeout": opts.stall_timeout, "request_timeout": opts.request_timeout}
+        if prefill is None:
+            return Attempt(routed, request, outputs, progress, model=opts.model, **timeouts)
+        return PrefillFirstAttempt(
+            routed, request, outputs, progress, prefill, model=opts.model, **timeouts
+        )
 
     def _migration(
         self,
@@ -239,75 +259,103 @@ class RequestStream(Actor):
 
     async def _route_request(
         self, request: PreprocessedRequest
-    ) -> tuple[Routed, PreprocessedRequest]:
-        """The worker for the next attempt, and the request to send it."""
+    ) -> tuple[Routed, PreprocessedRequest, Prefill | None]:
+        """The worker for the next attempt, the request to send it and, disaggregated, the
+        prefill whose first output is the client's first token (sent already)."""
         progress = self._progress
         assert progress is not None
         if progress.live is not None:  # continue from the handed-over KV
-            routed: Routed = await self.router.ask(Route(request, self._excluded, role="decode"))
-            return routed, request
+            return self._take("decode", request, self._excluded), request, None
         if self.options.disaggregated:
-            return await self._dispatch_prefill(request, self._excluded, progress.deadline)
-        route = Route(request, self._excluded)
+            return await self._dispatch_prefill(request, progress.deadline)
         retrying = progress.failed_at is not None
-        return await self._route(route, progress.deadline, retrying=retrying), request
+        routed = await self._route("aggregated", request, progress.deadline, retrying=retrying)
+        return routed, request, None
 
-    async def _route(self, route: Route, deadline: float, *, retrying: bool) -> Routed:
-        """Ask the router; while migrating, wait (within the deadline) for a worker of the role to
-        become routable again rather than fail: a single worker may be restarting."""
+    def _take(self, role: Role, request: PreprocessedRequest, exclude: tuple[str, ...]) -> Routed:
+        """Route here, from the routing view (no hop to the router actor: the view lives on this
+        event loop, and the in-flight count is the router's own, see ``RoutingTable.take``)."""
+        entry = self.table.take(role, self.options.router, request.token_ids, exclude)
+        return Routed(entry.id, entry.engine, entry.capacity.bootstrap)
+
+    async def _route(
+        self, role: Role, request: PreprocessedRequest, deadline: float, *, retrying: bool
+    ) -> Routed:
+        """Route; while migrating, wait (within the deadline) for a worker of the role to become
+        routable again rather than fail: a single worker may be restarting."""
+        exclude = self._excluded
         while True:
             try:
-                routed: Routed = await self.router.ask(route)
-                return routed
+                return self._take(role, request, exclude)
             except NoWorkerAvailable:
                 left = deadline - time.monotonic()
-                if not retrying or self.table is None or left <= 0:
+                if not retrying or left <= 0:
                     raise
                 with anyio.move_on_after(min(left, self.options.stall_timeout)) as scope:
-                    await self.table.wait_routable(1, route.role)
+                    await self.table.wait_routable(1, role)
                 if scope.cancelled_caught:
                     raise
                 # Whatever is routable now may take it, the excluded worker too (restarted, it
                 # is a new engine): else a lone worker's exclusion spins here until the deadline.
-                route = attrs.evolve(route, exclude=())
+                exclude = ()
 
     async def _dispatch_prefill(
-        self, request: PreprocessedRequest, exclude: tuple[str, ...], deadline: float
-    ) -> tuple[Routed, PreprocessedRequest]:
-        """Disaggregated: pick a prefill and a decode worker, start the prefill with a fresh room
-        and return the decode side's routing and request (decode starts concurrently, as in
-        SGLang's bootstrap protocol). With no prefill worker routable, decode serves the request
-        alone (Dynamo's decode-only fallback)."""
-        decode = await self._route(Route(request, exclude, role="decode"), deadline, retrying=True)
+        self, request: PreprocessedRequest, deadline: float
+    ) -> tuple[Routed, PreprocessedRequest, Prefill | None]:
+        """Disaggregated: pick a decode and a prefill worker, send the prefill its request with a
+        fresh room and return the decode side's routing and request (sent by the caller at once:
+        both start together, as in SGLang's bootstrap protocol), with the prefill if its first
+        token is the client's. With no prefill worker routable, decode serves the request alone
+        (Dynamo's decode-only fallback)."""
+        decode = await self._route("decode", request, deadline, retrying=True)
         try:
-            prefill = await self.router.ask(Route(request, role="prefill"))
+            routed = self._take("prefill", request, ())
         except NoWorkerAvailable:
             FALLBACKS.labels(self.options.model).inc()
-            return decode, msgspec.structs.replace(request, bootstrap_info=None)
-        except BaseException:
+            return decode, msgspec.structs.replace(request, bootstrap_info=None), None
+        if routed.bootstrap is None:
+            self._done(routed)
             self._done(decode)
-            raise
-        if prefill.bootstrap is None:
-            self._done(prefill)
-            self._done(decode)
-            raise EngineFailure(f"prefill worker {prefill.worker_id} has no bootstrap endpoint")
-        boot = msgspec.structs.replace(prefill.bootstrap, room=secrets.randbits(63))
-        stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
+            raise EngineFailure(f"prefill worker {routed.worker_id} has no bootstrap endpoint")
+        boot = msgspec.structs.replace(routed.bootstrap, room=secrets.randbits(63))
+        stop = request.stop_conditions
+        # One step. The first token is sampled as decode would (no end of sequence where
+        # min_tokens forbids it): it may be the client's.
+        min_tokens = 1 if stop.min_tokens else None
+        prefill_stop = msgspec.structs.replace(stop, max_tokens=1, min_tokens=min_tokens)
         prefill_request = msgspec.structs.replace(
-            request, bootstrap_info=boot, stop_conditions=stop
+            request, bootstrap_info=boot, stop_conditions=prefill_stop
         )
-        self.start_soon(self._prefill, prefill, prefill_request, name=f"prefill {request.rid}")
-        return decode, msgspec.structs.replace(request, bootstrap_info=boot)
-
-    async def _prefill(self, routed: Routed, request: PreprocessedRequest) -> None:
-        """Drain the prefill stream: it ends when the KV transfer reached a terminal state. A
-        failure here surfaces on the decode side as a (migratable) KV transfer error."""
+        decode_request = msgspec.structs.replace(request, bootstrap_info=boot)
         try:
-            async with routed.engine.stream(request, buffer=4) as outputs:
+            # Sent here, not from the task below: the prefill (the first step of the client's
+            # time to first token) goes out with the decode request, a task switch sooner.
+            outputs = routed.engine.stream(prefill_request, buffer=4)
+        except ActorError as exc:  # on the decode side, a (migratable) KV transfer error
+            _log.info("prefill failed", rid=request.rid, worker=routed.worker_id, error=str(exc))
+            self._done(routed)
+            return decode, decode_request, None
+        return decode, decode_request, Prefill(routed, outputs)
+
+    def _drain(self, prefill: Prefill, rid: str, *, read: bool) -> None:
+        """Start draining ``prefill`` (once its consumer read it, unless ``read``: it never
+        will; a token past the client's ``max_tokens`` never is the client's)."""
+        if read:
+            prefill.read.set()
+        self.start_soon(self._prefill, prefill, rid, name=f"prefill {rid}")
+
+    async def _prefill(self, prefill: Prefill, rid: str) -> None:
+        """Drain the prefill stream once its consumer read what it wanted of it: it ends when the
+        KV transfer reached a terminal state. A failure here surfaces on the decode side as a
+        (migratable) KV transfer error."""
+        routed = prefill.routed
+        try:
+            async with prefill.outputs as outputs:
+                await prefill.read.wait()
                 async for _ in outputs:
                     pass
         except (RequestError, ActorError) as exc:
-            _log.info("prefill failed", rid=request.rid, worker=routed.worker_id, error=str(exc))
+            _log.info("prefill failed", rid=rid, worker=routed.worker_id, error=str(exc))
         finally:
             self._done(routed)
 
@@ -320,11 +368,7 @@ class RequestStream(Actor):
             pass
 
     def _done(self, routed: Routed) -> None:
-        # Fire and forget: this runs while a cancellation may be unwinding us.
-        try:
-            self.router.tell_nowait(routed.done())
-        except ActorError:
-            pass
+        self.table.done(routed.worker_id)
 
 
 def _typed(exc: BaseException) -> RequestError:

@@ -39,7 +39,9 @@ class Route(Call[Routed]):
 class Router(Actor):
     """Answers :class:`Route` with a routable worker by ``policy``: ``round_robin``,
     ``least_loaded`` (load metrics plus its own in-flight count) or ``kv_aware`` (prefix overlap
-    from the workers' KV events, then load)."""
+    from the workers' KV events, then load). Request streams route the same way without asking
+    it (``RoutingTable.take`` and ``done``, on the same table): both count the same in-flight
+    requests."""
 
     reply_errors = (RequestError,)
 
@@ -51,14 +53,11 @@ class Router(Actor):
     async def receive(self, message: Any) -> Any:
         match message:
             case Route(request=request, exclude=exclude, role=role):
-                entry = self.table.pick(role, self.policy, request.token_ids, exclude)
-                entry.active += 1
+                entry = self.table.take(role, self.policy, request.token_ids, exclude)
                 self.routed += 1
                 return Routed(entry.id, entry.engine, entry.capacity.bootstrap)
             case Done(worker_id=worker_id):
-                worker = self.table.workers.get(worker_id)
-                if worker is not None and worker.active > 0:
-                    worker.active -= 1
+                self.table.done(worker_id)
                 return None
             case _:
                 return await super().receive(message)

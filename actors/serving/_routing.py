@@ -166,6 +166,20 @@ class RoutingTable:
             return min(workers, key=WorkerEntry.load)
         return self._kv_aware(workers, tokens)
 
+    def take(
+        self, role: Role, policy: Policy, tokens: Sequence[int], exclude: Iterable[str] = ()
+    ) -> WorkerEntry:
+        """:meth:`pick`, and count one more request in flight there (until :meth:`done`)."""
+        entry = self.pick(role, policy, tokens, exclude)
+        entry.active += 1
+        return entry
+
+    def done(self, worker_id: str) -> None:
+        """A request :meth:`take` counted there is over."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and worker.active > 0:
+            worker.active -= 1
+
     def _kv_aware(self, workers: list[WorkerEntry], tokens: Sequence[int]) -> WorkerEntry:
         # Dynamo's cost: prefill blocks still to compute plus the decode load; ties go to the
         # least loaded worker.

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from actors import ActorRef
 from actors.frontend import Backend, EndpointStatus, ModelInfo
 from actors.serving._admission import Admission
-from actors.serving._attempt import RequestOutputs
+from actors.serving._attempt import Attempt, Begin, RequestOutputs
 from actors.serving._routing import RoutingTable
 from protocols.engine import EngineOutput, PreprocessedRequest
 from protocols.errors import ModelNotFound, NoWorkerAvailable
@@ -59,9 +57,9 @@ class ModelService(Backend):
 
 
 class _Outputs(RequestOutputs):
-    """One request's outputs, served by a request-stream actor started on the first
-    ``__anext__``; closing it (always done, see :class:`~actors.frontend.Backend`) ends the
-    request and counts it out of admission."""
+    """One request's outputs, served by a request-stream actor started with the request on
+    the first ``__anext__``; closing it (always done, see :class:`~actors.frontend.Backend`)
+    ends the request and counts it out of admission."""
 
     __slots__ = ("_service",)
 
@@ -69,11 +67,13 @@ class _Outputs(RequestOutputs):
         super().__init__(None, request)
         self._service = service
 
-    async def start(self) -> ActorRef[Any]:
-        ref = await self._service.streams.start_dynamic()
-        if ref is None:
+    async def begin(self, message: Begin) -> Attempt:
+        # The actor starts with the request in its mailbox: it routes and sends it to the
+        # engine as soon as it runs, before its start is even confirmed to us.
+        started = await self._service.streams.start_dynamic_ask(message)
+        if started is None:
             raise NoWorkerAvailable("the request could not be started")
-        return ref
+        return started[1]
 
     def close(self) -> None:
         if not self.closed:

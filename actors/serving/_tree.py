@@ -186,13 +186,11 @@ def build_tree(serving: Serving) -> list[ChildSpec]:
         migration_limit=cfg.migration_limit,
         stall_timeout=cfg.stall_timeout,
         request_timeout=cfg.request_timeout,
+        router=cfg.router,
     )
 
     def stream() -> RequestStream:
-        router = current_registry().whereis(serving.router_name)
-        if router is None:
-            raise LookupError("no router")
-        return RequestStream(router, options, serving.table)
+        return RequestStream(serving.table, options)
 
     streams = ChildSpec(
         "streams",

@@ -1,0 +1,205 @@
+"""A request's start: its request stream is started with the request in its mailbox and routes
+from the routing view itself. A consumer that gives up before the stream took the request still
+ends it (its :class:`~actors.serving._attempt.Ticket`), and the in-flight counts the router keeps
+come back to zero however requests end. Disaggregated, the client's first token is the prefill's
+(before any KV reached decode), and goes with the request when it migrates."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from actors import ReplyError, current_registry
+from actors.frontend import ModelInfo
+from actors.serving import ModelService
+from actors.serving._attempt import Begin, Ticket
+from protocols import PreprocessedRequest, SamplingOptions, StopConditions
+from supervisors import SupervisorRef
+from tests.helpers.serving import Tree, serving_tree
+from tests.serving.test_disaggregated import DISAGG, _quiet
+from tests.serving.test_e2e import _stream_text
+
+
+def _streams(tree: Tree) -> SupervisorRef:
+    ref = current_registry().whereis(tree.serving.streams_name)
+    assert ref is not None
+    return SupervisorRef(ref)
+
+
+def _service(tree: Tree) -> ModelService:
+    model = ModelInfo("mock", 4096, tree.serving.tokenizer)
+    return ModelService(model, _streams(tree), tree.serving.table)
+
+
+def _request(rid: str, max_tokens: int = 200) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        rid=rid,
+        token_ids=list(b"a request that is cancelled early " * 4),
+        stop_conditions=StopConditions(max_tokens=max_tokens),
+        sampling_options=SamplingOptions(temperature=0.0),
+    )
+
+
+async def _settled(tree: Tree) -> None:
+    """No request stream left, nothing counted in flight on any worker, engines idle."""
+    streams = _streams(tree)
+    with anyio.fail_after(15):
+        while await streams.which_children():
+            await anyio.sleep(0.01)
+        while any(w.active for w in tree.serving.table.workers.values()):
+            await anyio.sleep(0.01)
+    await _quiet(tree)
+
+
+async def test_a_stream_whose_consumer_gave_up_before_it_ran_ends_at_once() -> None:
+    async with serving_tree(mode="aggregated", decode_workers=1) as tree:
+        ticket = Ticket()
+        ticket.closed = True  # what a consumer's close() leaves before the stream has run
+        with pytest.raises(ReplyError):
+            await _streams(tree).start_dynamic_ask(Begin(_request("gone"), ticket))
+        assert ticket.ref is not None  # it took the request, saw the ticket closed, ended
+        await _settled(tree)
+        stats = await tree.engine_stats("decode-0")
+        assert stats.prefill_tokens == 0  # never sent to the engine
+
+
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
+async def test_a_consumer_cancelled_while_its_stream_starts_leaves_nothing(mode: str) -> None:
+    config: dict[str, Any] = DISAGG if mode == "disaggregated" else {"mode": mode}
+    async with serving_tree(**config, engine_args={"timing": {"speedup": 1.0}}) as tree:
+        service = _service(tree)
+        for i in range(20):
+            outputs = service.generate("mock", _request(f"c{i}"))
+            # Cancelled at its first wait: in the start, before or after the stream took it.
+            with anyio.move_on_after(0):
+                await outputs.__anext__()
+            outputs.close()
+        await _settled(tree)
+
+
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
+async def test_in_flight_counts_come_back_to_zero(mode: str) -> None:
+    config: dict[str, Any] = {**DISAGG, "decode_workers": 2} if mode == "disaggregated" else {}
+    config.setdefault("mode", mode)
+    async with serving_tree(**{"decode_workers": 2, **config}, router="least_loaded") as tree:
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            results: list[dict[str, Any]] = []
+
+            async def one(i: int) -> None:
+                results.append(await _stream_text(client, f"count me {i}", 16))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(12):
+                    tg.start_soon(one, i)
+        assert all(r["error"] is None and r["finish"] == "length" for r in results)
+        await _settled(tree)
+
+
+async def _first_chunk_then(
+    tree: Tree, prompt: str, max_tokens: int, after_first: Any
+) -> dict[str, Any]:
+    """A streamed completion whose first chunk runs ``after_first()`` (awaited) before reading
+    on (or going away, if it returns true): the text, finish reason, usage and error."""
+    body = {
+        "model": "mock",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    text, finish, usage, error, first = "", None, None, None, True
+    # Gone by a cancellation, as a client that disconnects (a break would leave httpx's
+    # generators to the garbage collector).
+    with anyio.CancelScope() as gone:
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            async with client.stream("POST", "/v1/completions", json=body, timeout=60) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    error = event.get("error") or error
+                    for choice in event.get("choices", []):
+                        text += choice.get("text") or ""
+                        finish = choice.get("finish_reason") or finish
+                    usage = event.get("usage") or usage
+                    if first and text:
+                        first = False
+                        if await after_first():
+                            gone.cancel()
+    return {"text": text, "finish": finish, "usage": usage, "error": error}
+
+
+async def _decode_pids(tree: Tree) -> dict[str, int]:
+    return {
+        w: (await tree.engine_stats(w)).pid for w, r in tree.serving.roles.items() if r == "decode"
+    }
+
+
+def _routed_decode(tree: Tree) -> str:
+    [worker] = [
+        w.id for w in tree.serving.table.workers.values() if w.role == "decode" and w.active
+    ]
+    return worker
+
+
+PROMPT = "the first token comes from the prefill worker " * 3
+
+
+async def test_the_first_token_comes_from_prefill_and_migrates_with_the_request() -> None:
+    async with serving_tree(mode="aggregated", decode_workers=1) as agg:
+        async with httpx.AsyncClient(base_url=agg.url) as client:
+            expected = await _stream_text(client, PROMPT, 24)
+    async with serving_tree(**DISAGG) as tree:
+        pids = await _decode_pids(tree)
+        for pid in pids.values():  # no KV can land, no decode step can run
+            os.kill(pid, signal.SIGSTOP)
+        try:
+
+            async def kill_the_routed_decode() -> bool:
+                # The first token is here with both decode workers stopped: the prefill's. The
+                # routed decode worker dies before its own first output; the request migrates
+                # with that token counted as generated.
+                victim = _routed_decode(tree)
+                os.kill(pids[victim], signal.SIGKILL)
+                for worker, pid in pids.items():
+                    if worker != victim:
+                        os.kill(pid, signal.SIGCONT)
+                return False
+
+            got = await _first_chunk_then(tree, PROMPT, 24, kill_the_routed_decode)
+        finally:
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        assert got["error"] is None, got["error"]
+        assert got["text"] == expected["text"]
+        assert got["finish"] == "length"
+        assert got["usage"]["completion_tokens"] == 24
+        await tree.wait_ready()
+        await _settled(tree)
+
+
+async def test_a_cancel_after_the_prefills_first_token_frees_both_sides() -> None:
+    async with serving_tree(**DISAGG) as tree:
+        pids = await _decode_pids(tree)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        try:
+
+            async def cancel() -> bool:
+                return True  # the client goes away, the decode side still waits for the KV
+
+            got = await _first_chunk_then(tree, PROMPT, 24, cancel)
+        finally:
+            for pid in pids.values():
+                os.kill(pid, signal.SIGCONT)
+        assert got["text"] and got["finish"] is None
+        await _settled(tree)
