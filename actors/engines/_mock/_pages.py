@@ -23,12 +23,14 @@ def fill_pages(
 ) -> None:
     """Write and register the pages that became full when the KV grew from start to end."""
     bs = block_size
-    for p in range(start // bs, end // bs):
-        hashes = hashes_upto(req, p + 1, bs)
-        block = req.blocks[p]
-        memory.write(block, hashes[p])
+    first, end_page = start // bs, end // bs
+    if first >= end_page:
+        return
+    hashes = hashes_upto(req, end_page, bs)
+    memory.write_pages(req.blocks[first:end_page], hashes[first:end_page])  # one numpy pass
+    for p in range(first, end_page):
         pool.register(
-            block, hashes[p], hashes[p - 1] if p else None, req.seq[p * bs : (p + 1) * bs]
+            req.blocks[p], hashes[p], hashes[p - 1] if p else None, req.seq[p * bs : (p + 1) * bs]
         )
 
 

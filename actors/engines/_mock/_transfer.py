@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from actors.engines._mock._kvmem import KvPageMemory, prompt_page_hashes
 from actors.engines._mock._request import MockRequest, Phase
@@ -109,20 +110,51 @@ class TransferMixin:
         req = self._expecting(rid)
         if req.phase is not Phase.AWAITING_KV:
             raise KVTransferError(f"{rid}: not waiting for KV (phase {req.phase.value})")
-        sched, memory = self._ranks[req.rank], self._memories[req.rank]
-        bs = sched.cfg.block_size
-        prompt = req.seq[: req.prompt_len]
-        # Converted once (a context may be 4k+ long): hashed, then prefix-hashed as an array.
-        tokens = np.frombuffer(token_bytes(prompt), dtype=np.int64)
-        hashes = prompt_page_hashes(tokens, bs)
-        bad = memory.bad_pages(req.blocks, hashes)
+        return self.complete_transfers([rid])[rid]
+
+    def complete_transfers(self, rids: Sequence[str]) -> dict[str, bool]:
+        """:meth:`complete_transfer` for every request of ``rids`` whose KV arrived (a drain's
+        live migrations landing together): all their pages verified in one pass. A request
+        that is no longer waiting for its KV (it ended meanwhile) is left out."""
+        reqs = [r for r in map(self._find, rids) if r is not None and r.phase is Phase.AWAITING_KV]
+        results: dict[str, bool] = {}
+        for rank, (sched, memory) in enumerate(zip(self._ranks, self._memories, strict=True)):
+            mine = [r for r in reqs if r.rank == rank]
+            if not mine:
+                continue
+            bs = sched.cfg.block_size
+            # Each context converted once (a context may be 4k+ long): hashed, then
+            # prefix-hashed as an array.
+            prompts = [r.seq[: r.prompt_len] for r in mine]
+            tokens = [np.frombuffer(token_bytes(p), np.int64) for p in prompts]
+            hashes = [prompt_page_hashes(t, bs) for t in tokens]
+            blocks = [b for r, h in zip(mine, hashes, strict=True) for b in r.blocks[: len(h)]]
+            bad = memory.bad_pages(blocks, [h for hs in hashes for h in hs])
+            start = 0  # the first of this request's pages in the pass
+            for req, prompt, toks, hs in zip(mine, prompts, tokens, hashes, strict=True):
+                own = [b - start for b in bad if start <= b < start + len(hs)]
+                start += len(hs)
+                results[req.rid] = self._continue(sched, req, prompt, toks, hs, own)
+        return results
+
+    def _continue(
+        self,
+        sched: RankScheduler,
+        req: MockRequest,
+        prompt: list[int],
+        tokens: npt.NDArray[np.int64],
+        hashes: list[int],
+        bad: list[int],
+    ) -> bool:
+        """After verification: start decoding ``req`` from its received pages, or fail it."""
         if bad:
             error = KVCorrupted(
-                f"{rid}: {len(bad)} of {len(hashes)} KV pages failed verification "
+                f"{req.rid}: {len(bad)} of {len(hashes)} KV pages failed verification "
                 f"(first: page {bad[0]})"
             )
             sched.end(req, error=error)
             return False
+        bs = sched.cfg.block_size
         full = req.prompt_len // bs
         req.hashes = hashes[:full]
         sched.pool.register_pages(req.blocks[:full], req.hashes, prompt)
