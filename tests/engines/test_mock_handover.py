@@ -171,7 +171,8 @@ async def test_live_migrations_received_together_publish_one_kv_event_batch() ->
             await stream.aclose()
 
 
-async def test_contexts_completed_together_are_verified_each_on_its_own() -> None:
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "unprepared"])
+async def test_contexts_completed_together_are_verified_each_on_its_own(prepared: bool) -> None:
     async with (
         MockEngine(config()) as source,
         MockEngine(config(role="decode")) as target,
@@ -179,6 +180,11 @@ async def test_contexts_completed_together_are_verified_each_on_its_own() -> Non
         pages, done = await _handed_over(source)
         lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
         streams = [target.generate(live) for live in lives]
+        if prepared:
+            # The step loop's turn, as while a transfer is in flight: it works out what each
+            # context's KV must hold; without it the arrival does (the same verification).
+            await anyio.sleep(0.01)
+            assert all(target._find(live.rid).expected is not None for live in lives)
         for i, live in enumerate(lives):
             await _deliver(source, pages[f"r{i}"], target, live.rid)
         dst = target.kv_buffer(0)

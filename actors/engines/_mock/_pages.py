@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from actors.engines._mock._kvmem import KvPageMemory, page_hash
-from actors.engines._mock._pool import BlockPool
-from actors.engines._mock._request import MockRequest
+import numpy as np
 
-__all__ = ["fill_pages", "hashes_upto", "write_partial"]
+from actors.engines._mock._kvmem import KvPageMemory, page_hash, prompt_page_hashes
+from actors.engines._mock._pool import BlockPool
+from actors.engines._mock._request import ExpectedKV, MockRequest
+from actors.engines._mock._tokens import TokenModel, token_bytes
+
+__all__ = ["expected_kv", "fill_pages", "hashes_upto", "write_partial"]
+
+
+def expected_kv(req: MockRequest, block_size: int, model: TokenModel) -> ExpectedKV:
+    """What the KV of ``req``'s prompt must hold (a context may be 4k+ long: converted once,
+    hashed page by page, then prefix-hashed as an array)."""
+    prompt = req.seq[: req.prompt_len]
+    tokens = np.frombuffer(token_bytes(prompt), dtype=np.int64)
+    hashes = prompt_page_hashes(tokens, block_size)
+    return ExpectedKV(prompt, tokens, hashes, model.prefix_hash(tokens))
 
 
 def hashes_upto(req: MockRequest, pages: int, block_size: int) -> list[int]:

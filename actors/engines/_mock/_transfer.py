@@ -35,13 +35,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
-from actors.engines._mock._kvmem import KvPageMemory, prompt_page_hashes
-from actors.engines._mock._request import MockRequest, Phase
+from actors.engines._mock._kvmem import KvPageMemory
+from actors.engines._mock._pages import expected_kv
+from actors.engines._mock._request import ExpectedKV, MockRequest, Phase
 from actors.engines._mock._scheduler import RankScheduler
-from actors.engines._mock._tokens import TokenModel, token_bytes
+from actors.engines._mock._tokens import TokenModel
 from protocols.errors import KVCorrupted, KVTransferError
 
 __all__ = ["KvPages", "TransferMixin"]
@@ -114,8 +113,10 @@ class TransferMixin:
 
     def complete_transfers(self, rids: Sequence[str]) -> dict[str, bool]:
         """:meth:`complete_transfer` for every request of ``rids`` whose KV arrived (a drain's
-        live migrations landing together): all their pages verified in one pass. A request
-        that is no longer waiting for its KV (it ended meanwhile) is left out."""
+        live migrations landing together): all their pages verified in one pass, against what
+        the step loop worked out from their tokens while the KV was on its way (or now, if it
+        had no turn since). A request that is no longer waiting for its KV (it ended meanwhile)
+        is left out."""
         reqs = [r for r in map(self._find, rids) if r is not None and r.phase is Phase.AWAITING_KV]
         results: dict[str, bool] = {}
         for rank, (sched, memory) in enumerate(zip(self._ranks, self._memories, strict=True)):
@@ -123,30 +124,24 @@ class TransferMixin:
             if not mine:
                 continue
             bs = sched.cfg.block_size
-            # Each context converted once (a context may be 4k+ long): hashed, then
-            # prefix-hashed as an array.
-            prompts = [r.seq[: r.prompt_len] for r in mine]
-            tokens = [np.frombuffer(token_bytes(p), np.int64) for p in prompts]
-            hashes = [prompt_page_hashes(t, bs) for t in tokens]
-            blocks = [b for r, h in zip(mine, hashes, strict=True) for b in r.blocks[: len(h)]]
-            bad = memory.bad_pages(blocks, [h for hs in hashes for h in hs])
+            expected = [r.expected or expected_kv(r, bs, self._tokens) for r in mine]
+            pages = zip(mine, expected, strict=True)
+            blocks = [b for r, e in pages for b in r.blocks[: len(e.hashes)]]
+            bad = memory.bad_pages(blocks, [h for e in expected for h in e.hashes])
             start = 0  # the first of this request's pages in the pass
-            for req, prompt, toks, hs in zip(mine, prompts, tokens, hashes, strict=True):
-                own = [b - start for b in bad if start <= b < start + len(hs)]
-                start += len(hs)
-                results[req.rid] = self._continue(sched, req, prompt, toks, hs, own)
+            for req, exp in zip(mine, expected, strict=True):
+                n = len(exp.hashes)
+                own = [b - start for b in bad if start <= b < start + n]
+                start += n
+                results[req.rid] = self._continue(sched, req, exp, own)
         return results
 
     def _continue(
-        self,
-        sched: RankScheduler,
-        req: MockRequest,
-        prompt: list[int],
-        tokens: npt.NDArray[np.int64],
-        hashes: list[int],
-        bad: list[int],
+        self, sched: RankScheduler, req: MockRequest, expected: ExpectedKV, bad: list[int]
     ) -> bool:
         """After verification: start decoding ``req`` from its received pages, or fail it."""
+        req.expected = None
+        hashes = expected.hashes
         if bad:
             error = KVCorrupted(
                 f"{req.rid}: {len(bad)} of {len(hashes)} KV pages failed verification "
@@ -157,14 +152,14 @@ class TransferMixin:
         bs = sched.cfg.block_size
         full = req.prompt_len // bs
         req.hashes = hashes[:full]
-        sched.pool.register_pages(req.blocks[:full], req.hashes, prompt)
+        sched.pool.register_pages(req.blocks[:full], req.hashes, expected.prompt)
         req.kv_len = req.prompt_len
         sched.kv_received_tokens += req.prompt_len
         req.bootstrap = None  # from now on a retraction re-prefills locally
         if req.ngen >= req.max_new:
             sched.end(req, "length")
             return True
-        h = self._tokens.prefix_hash(tokens)
+        h = expected.prefix_hash
         regular, eos = self._tokens.next_token(h, req.seed_word)
         token, reason = sched.decide(req, regular, eos, req.ngen)
         sched.start_decoding(req, h, token, reason)
