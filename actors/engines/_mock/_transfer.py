@@ -22,6 +22,9 @@ be touched. For a request ``req`` with ``req.bootstrap_info`` set (any host but
   trailing partial page included); on success the pages enter its prefix cache (``BlockStored``)
   and decoding continues, with the first token recomputed deterministically (it equals the one the
   prefill produced); on a mismatch the stream raises :class:`protocols.errors.KVCorrupted`.
+  ``complete_transfers`` does it for several requests (those whose KV arrived together) in one
+  pass over all their pages. What the pages must hold is worked out from the tokens at the step
+  loop's turn after the admission, while the transfer is in flight.
 - Both sides number pages the same way: page ``i`` holds prompt tokens ``[i*bs, (i+1)*bs)``.
 
 Live migration reuses both halves: a draining decode worker's ``hand_over`` (at a step
