@@ -253,13 +253,6 @@ class _Spin:
 
     spinners = 0  # write_pages loops in their spinning phase
     polls = 0  # polls since the last yield
-    last = 0.0  # time.perf_counter() of the previous poll (after its yield, if it yielded)
-    busy = False  # other tasks ran between two polls of this round
-
-
-# A gap between two polls longer than this means other tasks ran in between: a round of polls
-# alone takes tens of microseconds.
-_BUSY_S = 200e-6
 
 
 def yield_cpu() -> None:
@@ -275,23 +268,11 @@ def yield_cpu() -> None:
     them: each yield costs its caller the rest of its time slice on a busy machine (0.1-0.4 ms
     measured), so a yield per poller per round delayed the posting of the next WRITEs by the
     number in flight.
-
-    A round in which other tasks ran between the polls does not yield: the event loop has work
-    of its own (a drain's next requests to open, post or verify), and a yield would hold all of
-    it back for the rest of a time slice, once per round, while the WRITEs are in flight. The
-    yield is for a loop that only spins.
     """
-    now = time.perf_counter()
-    if now - _Spin.last > _BUSY_S:
-        _Spin.busy = True
     _Spin.polls += 1
     if _Spin.polls >= _Spin.spinners:
         _Spin.polls = 0
-        if not _Spin.busy:
-            time.sleep(0)  # a zero sleep: a scheduler hint, it never blocks
-            now = time.perf_counter()
-        _Spin.busy = False
-    _Spin.last = now
+        time.sleep(0)  # a zero sleep: a scheduler hint, it never blocks
 
 
 async def _settle(agent: NixlAgent, handle: XferHandle, timeout: float) -> None:
