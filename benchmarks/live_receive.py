@@ -4,13 +4,20 @@
 
 A decode mock engine (the lifecycle benchmark's geometry: 64-token pages of 1 KiB) receives
 requests of a 4k-token context as live migrations, one after another: ``open`` is
-``generate`` plus ``wait_transfer_target`` (admission, page allocation), ``complete`` is
-``complete_transfer`` (the context converted once, every page hashed and verified, the pages
-registered and published, the first token computed). The page bytes are written in between, as
-the NIXL WRITE would. CPU time of this thread (``time.thread_time``) per call, as the machines
-here are shared, and wall time beside it.
+``generate`` plus ``wait_transfer_target`` (admission, page allocation); ``prepare`` is the
+step loop's next turn, which works out the expected KV from the tokens (the context converted
+once, every page hashed, the first token's input) while the KV is on its way, as the KV
+bridge's wait for the transfer gives it that turn; ``complete`` is ``complete_transfer`` (every
+page verified, the pages registered and published, the first token computed). The page bytes
+are written before it, as the NIXL WRITE would. CPU time of this thread (``time.thread_time``)
+per call, as the machines here are shared, and wall time beside it.
 
-A table first, then one JSON line: receive_open_cpu_us_p50, receive_complete_cpu_us_p50.
+Then the same with a drain's worth of requests landing together (``BATCH`` of them, opened and
+written one after another, then completed in one ``complete_transfers`` call, as the KV bridge
+does for rooms whose KV arrives in one event-loop turn): CPU per request of that call.
+
+A table first, then one JSON line: receive_open_cpu_us_p50, receive_prepare_cpu_us_p50,
+receive_complete_cpu_us_p50, receive_complete_batch_cpu_us_p50.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import random
 import time
 
 import anyio
+import anyio.lowlevel
 
 from actors.engines import (
+    KvPages,
     MockEngine,
     MockEngineConfig,
     TimingModel,
@@ -38,6 +47,7 @@ from protocols.engine import (
 
 CONTEXT = 4103  # a 4k-token context with a partial last page
 BLOCK = 64
+BATCH = 8  # the lifecycle benchmark's drain
 
 
 def _request(i: int, tokens: list[int]) -> PreprocessedRequest:
@@ -51,6 +61,13 @@ def _request(i: int, tokens: list[int]) -> PreprocessedRequest:
     )
 
 
+def _write(engine: MockEngine, pages: KvPages, tokens: list[int]) -> None:
+    """Write a received context's pages, as the NIXL WRITE would."""
+    memory = engine.kv_buffer(pages.dp_rank)
+    for block, h in zip(pages.block_ids, prompt_page_hashes(tokens, BLOCK), strict=True):
+        memory[block] = page_content(h, pages.block_bytes)
+
+
 async def measure(n: int) -> dict[str, list[float]]:
     config = MockEngineConfig(
         role="decode",
@@ -62,7 +79,14 @@ async def measure(n: int) -> dict[str, list[float]]:
         timing=TimingModel(instant=True),
     )
     rng = random.Random(7)
-    out: dict[str, list[float]] = {"open_cpu": [], "open_wall": [], "cpu": [], "wall": []}
+    out: dict[str, list[float]] = {
+        "open_cpu": [],
+        "open_wall": [],
+        "prepare_cpu": [],
+        "cpu": [],
+        "wall": [],
+        "batch_cpu": [],
+    }
     async with MockEngine(config) as engine:
         for i in range(n + 10):
             tokens = [rng.randrange(256) for _ in range(CONTEXT)]
@@ -71,10 +95,9 @@ async def measure(n: int) -> dict[str, list[float]]:
             stream = engine.generate(request)
             pages = await engine.wait_transfer_target(request.rid)
             w1, c1 = time.perf_counter(), time.thread_time()
-            memory = engine.kv_buffer(pages.dp_rank)
-            hashes = prompt_page_hashes(tokens, BLOCK)
-            for block, h in zip(pages.block_ids, hashes, strict=True):
-                memory[block] = page_content(h, pages.block_bytes)
+            await anyio.lowlevel.checkpoint()  # the step loop's turn: the expected KV
+            c1p = time.thread_time()
+            _write(engine, pages, tokens)
             w2, c2 = time.perf_counter(), time.thread_time()
             if not engine.complete_transfer(request.rid):
                 raise RuntimeError("the pages did not verify")
@@ -83,8 +106,28 @@ async def measure(n: int) -> dict[str, list[float]]:
             if i >= 10:  # warm-up
                 out["open_cpu"].append(c1 - c0)
                 out["open_wall"].append(w1 - w0)
+                out["prepare_cpu"].append(c1p - c1)
                 out["cpu"].append(c3 - c2)
                 out["wall"].append(w3 - w2)
+        for i in range(n // BATCH + 2):
+            requests = [
+                _request(n + 10 + i * BATCH + j, [rng.randrange(256) for _ in range(CONTEXT)])
+                for j in range(BATCH)
+            ]
+            streams = [engine.generate(r) for r in requests]
+            targets = [await engine.wait_transfer_target(r.rid) for r in requests]
+            await anyio.lowlevel.checkpoint()  # the step loop's turn: their expected KV
+            for r, pages in zip(requests, targets, strict=True):
+                _write(engine, pages, r.token_ids)
+            c0 = time.thread_time()
+            verified = engine.complete_transfers([r.rid for r in requests])
+            c1 = time.thread_time()
+            if not all(verified.values()):
+                raise RuntimeError("the pages did not verify")
+            for stream in streams:
+                await stream.aclose()
+            if i >= 2:  # warm-up
+                out["batch_cpu"].append((c1 - c0) / BATCH)
     return out
 
 
@@ -96,13 +139,25 @@ def main() -> None:
     us = {k: [x * 1e6 for x in v] for k, v in got.items()}
     result = {
         "receive_open_cpu_us_p50": round(percentile(us["open_cpu"], 50), 1),
+        "receive_prepare_cpu_us_p50": round(percentile(us["prepare_cpu"], 50), 1),
         "receive_complete_cpu_us_p50": round(percentile(us["cpu"], 50), 1),
+        "receive_complete_batch_cpu_us_p50": round(percentile(us["batch_cpu"], 50), 1),
     }
     rows = [
         ("open, CPU (us, p50)", result["receive_open_cpu_us_p50"], "generate + admission"),
         ("open, wall (us, p50)", round(percentile(us["open_wall"], 50), 1), ""),
+        (
+            "prepare, CPU (us, p50)",
+            result["receive_prepare_cpu_us_p50"],
+            "the step loop, KV on its way",
+        ),
         ("complete, CPU (us, p50)", result["receive_complete_cpu_us_p50"], "verify + register"),
         ("complete, wall (us, p50)", round(percentile(us["wall"], 50), 1), ""),
+        (
+            f"complete {BATCH} together, CPU per request (us, p50)",
+            result["receive_complete_batch_cpu_us_p50"],
+            "one complete_transfers call",
+        ),
     ]
     report("Live migration, receiving engine, per request (4k context)", rows, result)
 

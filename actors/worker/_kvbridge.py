@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 import structlog
 
@@ -287,6 +288,7 @@ class MockTransfer:
         self.engine = engine
         self._fault = fault  # test and scenario fault injection (``corrupt_kv``, ``fail_kv``)
         self._pool: KVPool | None = None
+        self._landed: list[str] = []  # requests whose KV arrived in this event-loop turn
 
     def pool(self) -> KVPool:
         self._pool = self.source_pool()
@@ -323,6 +325,26 @@ class MockTransfer:
         finally:
             engine.release_transfer(rid)
 
+    async def _complete(self, rid: str) -> None:
+        """Have the engine verify ``rid``'s pages and go on decoding, together with every
+        request whose KV lands in the same event-loop turn (a drain's live migrations): one
+        pass over all their pages (``complete_transfers``). The first to land waits out that
+        turn, shielded (its own cancellation must not strand the others), and completes them
+        all; a request whose pages fail ends its stream with ``KVCorrupted``."""
+        landed = self._landed
+        landed.append(rid)
+        if len(landed) > 1:
+            return  # the first one's turn completes it
+        with anyio.CancelScope(shield=True):
+            await anyio.lowlevel.checkpoint()
+        self._landed = []
+        try:
+            self.engine.complete_transfers(landed)
+        except Exception as exc:
+            for other in landed:
+                self.engine.fail_transfer(other, f"{type(exc).__name__}: {exc}")
+            raise
+
     async def decode(
         self, request: PreprocessedRequest, receive: Receive
     ) -> AsyncIterator[EngineOutput]:
@@ -350,7 +372,7 @@ class MockTransfer:
                 # Fault injection: one flipped byte in the first received page.
                 buffer = engine.kv_buffer(target.dp_rank)
                 buffer[target.block_ids[0], 0] ^= 0xFF
-            engine.complete_transfer(rid)
+            await self._complete(rid)
             async for output in outputs:
                 yield output
         finally:

@@ -3,13 +3,18 @@ boundary, and the receiving engine starts the ones that arrive together in one s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import msgspec
+import pytest
 
 from actors.engines import BlockStored, KvPages, MockEngine, TimingModel, replay_kv_events
+from actors.kv import PageAllocation, ReceivedKV
+from actors.worker._kvbridge import MockTransfer
 from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest
+from protocols.errors import KVCorrupted
 from tests.engines._mock_helpers import collect, config, eventually, request, run, tokens_of
 
 PROMPTS = [list(range(500 + i, 540 + i)) for i in range(3)]  # 2 full pages of 16 and a partial
@@ -164,3 +169,101 @@ async def test_live_migrations_received_together_publish_one_kv_event_batch() ->
         assert len(stored) == sum(len(live.token_ids) // 16 for live in lives)
         for stream in streams:
             await stream.aclose()
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "unprepared"])
+async def test_contexts_completed_together_are_verified_each_on_its_own(prepared: bool) -> None:
+    async with (
+        MockEngine(config()) as source,
+        MockEngine(config(role="decode")) as target,
+    ):
+        pages, done = await _handed_over(source)
+        lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
+        streams = [target.generate(live) for live in lives]
+        if prepared:
+            # The step loop's turn, as while a transfer is in flight: it works out what each
+            # context's KV must hold; without it the arrival does (the same verification).
+            await anyio.sleep(0.01)
+            assert all(target._find(live.rid).expected is not None for live in lives)
+        for i, live in enumerate(lives):
+            await _deliver(source, pages[f"r{i}"], target, live.rid)
+        dst = target.kv_buffer(0)
+        m1 = await target.wait_transfer_target("m1")
+        dst[m1.block_ids[1], 100] ^= 1  # one flipped byte inside a page of the second context
+        m2 = await target.wait_transfer_target("m2")
+        dst[m2.block_ids[-1]] = 0  # the third context's last page never arrived
+        # One pass over every page of the three; a request that is not waiting is left out.
+        verified = target.complete_transfers(["m0", "m1", "m2", "gone"])
+        assert verified == {"m0": True, "m1": False, "m2": False}
+        again = tokens_of(await _until_token(streams[0]))
+        assert again[0] == done[0][-1] and len(again) >= 2  # m0 decodes on
+        for stream, kv, page in ((streams[1], m1, 1), (streams[2], m2, len(m2.block_ids) - 1)):
+            pattern = f"1 of {len(kv.block_ids)} KV pages failed verification .first: page {page}"
+            with pytest.raises(KVCorrupted, match=pattern):
+                await collect(stream)
+        for i, stream in enumerate(streams):
+            await stream.aclose()
+            source.release_transfer(f"r{i}")
+        assert target.is_quiescent() and source.is_quiescent()
+
+
+async def test_the_bridge_verifies_the_kv_landing_in_one_turn_in_one_pass() -> None:
+    corrupt = [1]  # the first request to check gets a flipped byte (``corrupt_kv``)
+
+    def fault(operation: str) -> bool:
+        if operation != "corrupt_kv" or not corrupt[0]:
+            return False
+        corrupt[0] -= 1
+        return True
+
+    async with (
+        MockEngine(config()) as source,
+        MockEngine(config(role="decode")) as target,
+    ):
+        transfer = MockTransfer(target, fault)
+        pool = transfer.pool()
+        pages, done = await _handed_over(source)
+        lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
+        passes: list[list[str]] = []
+        complete = target.complete_transfers
+
+        def counted(rids: Sequence[str]) -> dict[str, bool]:
+            passes.append(sorted(rids))
+            return complete(rids)
+
+        target.complete_transfers = counted  # type: ignore[method-assign]
+        landed = anyio.Event()
+        waiting: list[str] = []
+        first: dict[str, int | None] = {}
+
+        async def migrate(i: int, live: PreprocessedRequest) -> None:
+            async def receive(alloc: PageAllocation, verify: bool) -> ReceivedKV:
+                waiting.append(live.rid)
+                if len(waiting) == len(lives):
+                    landed.set()
+                await landed.wait()  # every room's KV lands in the same turn
+                await _deliver(source, pages[f"r{i}"], target, live.rid)
+                return ReceivedKV(room=i, pages=alloc, checksums=None, verified=False, seconds=0)
+
+            outputs = transfer.decode(live, receive)
+            try:
+                async for output in outputs:
+                    if output.token_ids:
+                        first[live.rid] = output.token_ids[0]
+                        break
+            except KVCorrupted:
+                first[live.rid] = None
+            finally:
+                await outputs.aclose()
+
+        async with anyio.create_task_group() as tg:
+            for i, live in enumerate(lives):
+                tg.start_soon(migrate, i, live)
+        assert passes == [["m0", "m1", "m2"]]
+        # The corrupted one fails alone; the others go on from the newest token.
+        assert list(first.values()).count(None) == 1
+        for i, live in enumerate(lives):
+            assert first[live.rid] in (None, done[i][-1])
+            source.release_transfer(f"r{i}")
+        pool.close()
+        assert target.is_quiescent() and source.is_quiescent()

@@ -7,7 +7,8 @@ torch CUDA tensor when a GPU is present. Block ``b`` lives at byte offset ``b * 
 A page's *hash* is SGLang-style chained: ``page_hash(parent, tokens)`` over the parent page's hash
 and this page's tokens, so it stands for the whole prefix up to the page's end (position included).
 A page's content is derived from that hash alone: 64-byte rows, row ``r`` word ``k`` =
-``mix(hash + k) XOR mix(r)``, cheap to write (one broadcast) and to verify (one comparison). The
+``mix(hash + (k+1)*G) XOR mix(r*G + 1)`` (``mix``: splitmix64's finaliser, ``G`` the golden
+ratio constant), cheap to write and to verify for many pages at once (a few numpy passes). The
 trailing partial page of a prompt uses the hash of its partial tokens, so a transfer of a whole
 prompt can be verified page by page.
 """
@@ -28,7 +29,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from actors.engines._mock._tokens import U64Array, mix64, token_bytes
+from actors.engines._mock._tokens import U64Array, mix64, mix_in_place, token_bytes
 
 __all__ = [
     "HostOrDeviceBuffer",
@@ -50,6 +51,7 @@ _NVIDIA_PATHS = (
 )
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
+_LANES = np.arange(1, _ROW_WORDS + 1, dtype=np.uint64) * np.uint64(_GOLDEN)  # word k: (k+1)*G
 _blake2b = hashlib.blake2b
 
 
@@ -72,13 +74,14 @@ def prompt_page_hashes(
     end = (n if partial else n - n % block_size) * 8
     data = token_bytes(tokens)
     step = block_size * 8
-    hashes: list[int] = []
+    digests: list[bytes] = []
     head = b"\x00" * 9  # page_hash's encoding of the parent: none, then each page's digest
     for start in range(0, end, step):
         digest = _blake2b(head + data[start : min(start + step, end)], digest_size=8).digest()
-        hashes.append(int.from_bytes(digest, "little", signed=True))
+        digests.append(digest)
         head = b"\x01" + digest
-    return hashes
+    # The digests are the hashes' little-endian two's complement: unpacked in one call.
+    return list(struct.unpack(f"<{len(digests)}q", b"".join(digests)))
 
 
 def _row_words(block_bytes: int) -> U64Array:
@@ -86,15 +89,16 @@ def _row_words(block_bytes: int) -> U64Array:
     return np.array([mix64(r * _GOLDEN + 1) for r in range(rows)], dtype=np.uint64)
 
 
-def _base_words(h: int) -> U64Array:
-    # One 64-byte digest gives the 8 words of a row: cheaper than 8 scalar mixes.
-    digest = hashlib.blake2b((h & _MASK).to_bytes(8, "little"), digest_size=64).digest()
-    return np.frombuffer(digest, dtype=np.uint64)
+def _base_words(hashes: Sequence[int]) -> U64Array:
+    """``(n, 8)``: the words every row of page ``i`` XORs with its row mask, for all the pages
+    at once (a received context is verified, a prefill chunk written, in a few numpy passes)."""
+    words = np.array(hashes, dtype=np.int64).view(np.uint64)[:, None] + _LANES
+    return mix_in_place(words)
 
 
 def page_content(hash_: int, block_bytes: int) -> npt.NDArray[np.uint8]:
     """The exact bytes a page with chained hash ``hash_`` holds."""
-    words = _base_words(hash_)[None, :] ^ _row_words(block_bytes)[:, None]
+    words: U64Array = _base_words([hash_]) ^ _row_words(block_bytes)[:, None]
     return words.reshape(-1).view(np.uint8)
 
 
@@ -251,21 +255,29 @@ class KvPageMemory:
             raise RuntimeError(f"KV memory of rank {self.dp_rank} is released")
         return self._buf
 
-    def _expected(self, hash_: int) -> U64Array:
-        return _base_words(hash_)[None, :] ^ self._rows[:, None]
+    def _expected(self, hashes: Sequence[int]) -> U64Array:
+        """``(n, rows, 8)``: the content of the pages ``hashes``."""
+        return _base_words(hashes)[:, None, :] ^ self._row_tile
 
     def write(self, block_id: int, hash_: int) -> None:
         """Fill ``block_id`` with the content of the page whose chained hash is ``hash_``."""
+        self.write_pages([block_id], [hash_])
+
+    def write_pages(self, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
+        """:meth:`write` for many pages at once: ``block_ids[i]`` gets page ``hashes[i]``."""
+        if not block_ids:
+            return
+        expected = self._expected(hashes)
         if self._pages is not None:
-            np.bitwise_xor(
-                _base_words(hash_)[None, :], self._rows[:, None], out=self._pages[block_id]
-            )
+            self._pages[list(block_ids)] = expected
             return
         buf = self._require()
         torch = importlib.import_module("torch")
-        src = torch.from_numpy(self._expected(hash_).reshape(-1).view(np.uint8))
-        start = block_id * self.block_bytes
-        buf.tensor[start : start + self.block_bytes].copy_(src)
+        for block_id, page in zip(block_ids, expected, strict=True):
+            start = block_id * self.block_bytes
+            buf.tensor[start : start + self.block_bytes].copy_(
+                torch.from_numpy(page.reshape(-1).view(np.uint8))
+            )
 
     def read(self, block_id: int) -> npt.NDArray[np.uint8]:
         """A host copy of one block's bytes."""
@@ -281,23 +293,21 @@ class KvPageMemory:
     def verify(self, block_id: int, hash_: int) -> bool:
         """True when ``block_id`` holds exactly the content of page ``hash_``."""
         if self._pages is not None:
-            return bool(np.array_equal(self._pages[block_id], self._expected(hash_)))
+            return bool(np.array_equal(self._pages[block_id], self._expected([hash_])[0]))
         return bool(np.array_equal(self.read(block_id), page_content(hash_, self.block_bytes)))
 
     def bad_pages(self, block_ids: Sequence[int], hashes: Sequence[int]) -> list[int]:
         """Indices ``i`` whose block ``block_ids[i]`` does not hold the page ``hashes[i]``.
 
-        On the host, one vectorised comparison: a live migration verifies a whole context
-        (64 pages for 4k tokens) per request on the receiving engine's event loop."""
+        On the host, one vectorised comparison for all the pages, whatever their number: a
+        live migration verifies every context that arrived together (64 pages per 4k tokens)
+        in one pass on the receiving engine's event loop."""
         if self._pages is None:
             return [i for i, h in enumerate(hashes) if not self.verify(block_ids[i], h)]
         n = len(hashes)
-        # The hashes packed at once (little-endian two's complement, as _base_words encodes one).
-        packed = struct.pack(f"<{n}q", *hashes)
-        digests = b"".join(
-            [_blake2b(packed[i : i + 8], digest_size=64).digest() for i in range(0, 8 * n, 8)]
-        )
-        base = np.frombuffer(digests, dtype=np.uint64).reshape(n, 1, _ROW_WORDS)
+        if not n:
+            return []
+        base = _base_words(hashes)[:, None, :]
         got = self._pages.take(block_ids[:n], axis=0)  # a copy: XORed in place
         # Zero where a page holds its expected content. Few numpy calls on the path where all
         # pages verify: each costs far more than its bytes on a busy engine's event loop.

@@ -66,6 +66,7 @@ class LoopMixin:
     cached_tokens: int
     _publish_metrics: Callable[[KvMetrics], None] | None
     _deferred: list[MockRequest]
+    _unprepared: list[MockRequest]
     _arrived: list[MockRequest]
     _gather_until: float | None
     _readers: list[MockRequest]
@@ -84,6 +85,9 @@ class LoopMixin:
         raise NotImplementedError
 
     def flush_events(self) -> None:
+        raise NotImplementedError
+
+    def prepare_transfers(self) -> None:
         raise NotImplementedError
 
     def end(
@@ -212,6 +216,8 @@ class LoopMixin:
         while True:
             self._wake_event = anyio.Event()
             self.flush_events()  # what calls since the last turn left to it (after_change)
+            if self._unprepared:
+                self.prepare_transfers()
             if self._deferred:
                 deferred, self._deferred = self._deferred, []
                 for req in deferred:

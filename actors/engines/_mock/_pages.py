@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from actors.engines._mock._kvmem import KvPageMemory, page_hash
-from actors.engines._mock._pool import BlockPool
-from actors.engines._mock._request import MockRequest
+import numpy as np
 
-__all__ = ["fill_pages", "hashes_upto", "write_partial"]
+from actors.engines._mock._kvmem import KvPageMemory, page_hash, prompt_page_hashes
+from actors.engines._mock._pool import BlockPool
+from actors.engines._mock._request import ExpectedKV, MockRequest
+from actors.engines._mock._tokens import TokenModel, token_bytes
+
+__all__ = ["expected_kv", "fill_pages", "hashes_upto", "write_partial"]
+
+
+def expected_kv(req: MockRequest, block_size: int, model: TokenModel) -> ExpectedKV:
+    """What the KV of ``req``'s prompt must hold (a context may be 4k+ long: converted once,
+    hashed page by page, then prefix-hashed as an array)."""
+    prompt = req.seq[: req.prompt_len]
+    tokens = np.frombuffer(token_bytes(prompt), dtype=np.int64)
+    hashes = prompt_page_hashes(tokens, block_size)
+    return ExpectedKV(prompt, tokens, hashes, model.prefix_hash(tokens))
 
 
 def hashes_upto(req: MockRequest, pages: int, block_size: int) -> list[int]:
@@ -23,12 +35,14 @@ def fill_pages(
 ) -> None:
     """Write and register the pages that became full when the KV grew from start to end."""
     bs = block_size
-    for p in range(start // bs, end // bs):
-        hashes = hashes_upto(req, p + 1, bs)
-        block = req.blocks[p]
-        memory.write(block, hashes[p])
+    first, end_page = start // bs, end // bs
+    if first >= end_page:
+        return
+    hashes = hashes_upto(req, end_page, bs)
+    memory.write_pages(req.blocks[first:end_page], hashes[first:end_page])  # one numpy pass
+    for p in range(first, end_page):
         pool.register(
-            block, hashes[p], hashes[p - 1] if p else None, req.seq[p * bs : (p + 1) * bs]
+            req.blocks[p], hashes[p], hashes[p - 1] if p else None, req.seq[p * bs : (p + 1) * bs]
         )
 
 

@@ -8,14 +8,16 @@ several tokens at once (SGLang's incremental streaming) instead of one wake-up p
 from __future__ import annotations
 
 import enum
-from typing import Protocol, Self
+from typing import NamedTuple, Protocol, Self
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 
 from protocols.engine import BootstrapInfo, EngineOutput, FinishReason, PreprocessedRequest, Usage
 from protocols.errors import RequestError
 
-__all__ = ["EngineStream", "MockRequest", "Phase", "StreamHost"]
+__all__ = ["EngineStream", "ExpectedKV", "MockRequest", "Phase", "StreamHost"]
 
 
 class Phase(enum.Enum):
@@ -25,6 +27,16 @@ class Phase(enum.Enum):
     AWAITING_KV = "awaiting_kv"  # decode role: KV allocated, waiting for the transfer
     OWED = "owed"  # prefill role: finished, KV held until the transfer is done
     FINISHED = "finished"
+
+
+class ExpectedKV(NamedTuple):
+    """What a request's received prompt KV must hold, worked out from its tokens: the decode
+    side does it while the transfer is in flight, so the KV's arrival only compares pages."""
+
+    prompt: list[int]
+    tokens: npt.NDArray[np.int64]  # the prompt as int64, converted once
+    hashes: list[int]  # chained hashes of every page, the trailing partial one included
+    prefix_hash: int  # the token model's hash of the whole prompt (the first token's input)
 
 
 class MockRequest:
@@ -38,6 +50,7 @@ class MockRequest:
         "delivered",
         "disagg_params",
         "error",
+        "expected",
         "finish_reason",
         "hashes",
         "kv_len",
@@ -93,6 +106,7 @@ class MockRequest:
         self.error: RequestError | None = None
         self.waiter: anyio.Event | None = None
         self.transfer_ready: anyio.Event | None = None
+        self.expected: ExpectedKV | None = None  # decode role, awaiting KV: see ExpectedKV
         self.deadline = 0.0
 
     @property

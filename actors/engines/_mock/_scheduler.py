@@ -24,7 +24,7 @@ from actors.engines._mock._batch import DecodeBatch
 from actors.engines._mock._config import MockEngineConfig
 from actors.engines._mock._kvmem import KvPageMemory
 from actors.engines._mock._loop import LoopMixin, Step, StepRecord
-from actors.engines._mock._pages import fill_pages, hashes_upto, write_partial
+from actors.engines._mock._pages import expected_kv, fill_pages, hashes_upto, write_partial
 from actors.engines._mock._pool import BlockPool
 from actors.engines._mock._publish import KvEventPublisher
 from actors.engines._mock._request import MockRequest, Phase
@@ -64,6 +64,7 @@ class RankScheduler(LoopMixin):
         self.owed: dict[str, MockRequest] = {}
         self._needs_block: list[MockRequest] = []
         self._deferred: list[MockRequest] = []
+        self._unprepared: list[MockRequest] = []  # awaiting KV, no ExpectedKV yet
         self._arrived: list[MockRequest] = []  # live migrations decoding here, not stepped yet
         self._gather_until: float | None = None
         self._readers: list[MockRequest] = []
@@ -261,6 +262,15 @@ class RankScheduler(LoopMixin):
         self.after_change()
         return True
 
+    def prepare_transfers(self) -> None:
+        """Work out the expected KV of the requests now waiting for theirs (the step loop does
+        it, at its turn after their admission: the caller has asked for the KV by then, and
+        its arrival is left with comparing pages, not hashing a context)."""
+        reqs, self._unprepared = self._unprepared, []
+        for req in reqs:
+            if req.phase is Phase.AWAITING_KV and req.expected is None:
+                req.expected = expected_kv(req, self.cfg.block_size, self.tokens)
+
     def hand_over(self, req: MockRequest) -> None:
         """Decode, live migration: ``req`` (decoding) stops here; its stream ends ``cancelled``
         and its KV stays owed to the transfer layer (see ``_hold``). The KV covers every token
@@ -281,6 +291,7 @@ class RankScheduler(LoopMixin):
             req.blocks = new
             req.phase = Phase.AWAITING_KV
             req.deadline = anyio.current_time() + cfg.transfer_timeout_s
+            self._unprepared.append(req)  # the loop's next turn, while the transfer runs
             if req.transfer_ready is not None:
                 req.transfer_ready.set()
         else:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["TokenModel", "U64Array", "mix64", "token_bytes"]
+__all__ = ["TokenModel", "U64Array", "mix64", "mix_in_place", "token_bytes"]
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -53,6 +53,16 @@ def token_bytes(tokens: Sequence[int] | npt.NDArray[np.int64]) -> bytes:
     if isinstance(tokens, np.ndarray):
         return np.asarray(tokens, dtype=np.int64).tobytes()
     return struct.pack(f"={len(tokens)}q", *tokens)
+
+
+def mix_in_place(z: U64Array) -> U64Array:
+    """splitmix64's finaliser on every word of ``z``, in place (returns ``z``)."""
+    z ^= z >> _S30
+    z *= _C1
+    z ^= z >> _S27
+    z *= _C2
+    z ^= z >> _S31
+    return z
 
 
 def mix64(x: int) -> int:
@@ -140,12 +150,7 @@ class TokenModel:
 
         The EOS mask is ``None`` when the model never emits EOS (``eos_rate == 0``).
         """
-        z = h ^ seed_words
-        z ^= z >> _S30
-        z *= _C1
-        z ^= z >> _S27
-        z *= _C2
-        z ^= z >> _S31
+        z = mix_in_place(h ^ seed_words)
         regular = z % self._regular
         regular += regular >= self._eos  # skip the EOS id: regular tokens never stop a request
         eos = (z >> _S40) < self._eos_threshold if self.emits_eos else None

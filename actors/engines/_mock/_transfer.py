@@ -22,6 +22,9 @@ be touched. For a request ``req`` with ``req.bootstrap_info`` set (any host but
   trailing partial page included); on success the pages enter its prefix cache (``BlockStored``)
   and decoding continues, with the first token recomputed deterministically (it equals the one the
   prefill produced); on a mismatch the stream raises :class:`protocols.errors.KVCorrupted`.
+  ``complete_transfers`` does it for several requests (those whose KV arrived together) in one
+  pass over all their pages. What the pages must hold is worked out from the tokens at the step
+  loop's turn after the admission, while the transfer is in flight.
 - Both sides number pages the same way: page ``i`` holds prompt tokens ``[i*bs, (i+1)*bs)``.
 
 Live migration reuses both halves: a draining decode worker's ``hand_over`` (at a step
@@ -35,12 +38,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 
-from actors.engines._mock._kvmem import KvPageMemory, prompt_page_hashes
-from actors.engines._mock._request import MockRequest, Phase
+from actors.engines._mock._kvmem import KvPageMemory
+from actors.engines._mock._pages import expected_kv
+from actors.engines._mock._request import ExpectedKV, MockRequest, Phase
 from actors.engines._mock._scheduler import RankScheduler
-from actors.engines._mock._tokens import TokenModel, token_bytes
+from actors.engines._mock._tokens import TokenModel
 from protocols.errors import KVCorrupted, KVTransferError
 
 __all__ = ["KvPages", "TransferMixin"]
@@ -109,30 +112,57 @@ class TransferMixin:
         req = self._expecting(rid)
         if req.phase is not Phase.AWAITING_KV:
             raise KVTransferError(f"{rid}: not waiting for KV (phase {req.phase.value})")
-        sched, memory = self._ranks[req.rank], self._memories[req.rank]
-        bs = sched.cfg.block_size
-        prompt = req.seq[: req.prompt_len]
-        # Converted once (a context may be 4k+ long): hashed, then prefix-hashed as an array.
-        tokens = np.frombuffer(token_bytes(prompt), dtype=np.int64)
-        hashes = prompt_page_hashes(tokens, bs)
-        bad = memory.bad_pages(req.blocks, hashes)
+        return self.complete_transfers([rid])[rid]
+
+    def complete_transfers(self, rids: Sequence[str]) -> dict[str, bool]:
+        """:meth:`complete_transfer` for every request of ``rids`` whose KV arrived (a drain's
+        live migrations landing together): all their pages verified in one pass, against what
+        the step loop worked out from their tokens while the KV was on its way (or now, if it
+        had no turn since). A request that is no longer waiting for its KV (it ended meanwhile)
+        is left out."""
+        reqs = [r for r in map(self._find, rids) if r is not None and r.phase is Phase.AWAITING_KV]
+        results: dict[str, bool] = {}
+        for rank, (sched, memory) in enumerate(zip(self._ranks, self._memories, strict=True)):
+            mine = [r for r in reqs if r.rank == rank]
+            if not mine:
+                continue
+            bs = sched.cfg.block_size
+            expected = [r.expected or expected_kv(r, bs, self._tokens) for r in mine]
+            pages = zip(mine, expected, strict=True)
+            blocks = [b for r, e in pages for b in r.blocks[: len(e.hashes)]]
+            bad = memory.bad_pages(blocks, [h for e in expected for h in e.hashes])
+            start = 0  # the first of this request's pages in the pass
+            for req, exp in zip(mine, expected, strict=True):
+                n = len(exp.hashes)
+                own = [b - start for b in bad if start <= b < start + n]
+                start += n
+                results[req.rid] = self._continue(sched, req, exp, own)
+        return results
+
+    def _continue(
+        self, sched: RankScheduler, req: MockRequest, expected: ExpectedKV, bad: list[int]
+    ) -> bool:
+        """After verification: start decoding ``req`` from its received pages, or fail it."""
+        req.expected = None
+        hashes = expected.hashes
         if bad:
             error = KVCorrupted(
-                f"{rid}: {len(bad)} of {len(hashes)} KV pages failed verification "
+                f"{req.rid}: {len(bad)} of {len(hashes)} KV pages failed verification "
                 f"(first: page {bad[0]})"
             )
             sched.end(req, error=error)
             return False
+        bs = sched.cfg.block_size
         full = req.prompt_len // bs
         req.hashes = hashes[:full]
-        sched.pool.register_pages(req.blocks[:full], req.hashes, prompt)
+        sched.pool.register_pages(req.blocks[:full], req.hashes, expected.prompt)
         req.kv_len = req.prompt_len
         sched.kv_received_tokens += req.prompt_len
         req.bootstrap = None  # from now on a retraction re-prefills locally
         if req.ngen >= req.max_new:
             sched.end(req, "length")
             return True
-        h = self._tokens.prefix_hash(tokens)
+        h = expected.prefix_hash
         regular, eos = self._tokens.next_token(h, req.seed_word)
         token, reason = sched.decide(req, regular, eos, req.ngen)
         sched.start_decoding(req, h, token, reason)
