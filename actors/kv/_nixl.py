@@ -1,9 +1,8 @@
 """A thin, typed wrapper around one NIXL agent (UCX backend), with leak accounting.
 
-NIXL ships as ``nixl`` (meta package) or as ``nixl_cu13`` / ``nixl_cu12``; :func:`load_nixl` finds
-whichever is installed. The module is untyped, so it is held as ``Any`` and every call goes
-through :class:`NixlAgent`, which keeps count of what is alive (registrations, remote agents,
-transfer handles) so tests can assert that nothing leaked.
+NIXL's binding is untyped (:mod:`actors.kv._nixl_binding` loads it), so every call goes through
+:class:`NixlAgent`, which keeps count of what is alive (registrations, remote agents, transfer
+handles) so tests can assert that nothing leaked.
 
 Agents are created with the progress thread OFF: on small CPU machines the default progress
 thread busy-spins (every transfer then takes ~12 ms) and on GPUs it makes transfers 30-50% slower.
@@ -24,19 +23,25 @@ chunk. Smaller transfers are posted by the calling thread on the agent's own wor
 from __future__ import annotations
 
 import gc
-import importlib
-import logging
 import os
 import secrets
 import sys
 import time
-from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from actors.kv._nixl_binding import (
+    AgentStatistics,
+    DlistHandle,
+    NixlError,
+    Registration,
+    XferHandle,
+    XferState,
+    call,
+    load_nixl,
+)
 from protocols.kv import MemoryKind
 
 __all__ = [
@@ -46,114 +51,15 @@ __all__ = [
     "NixlAgent",
     "NixlError",
     "Registration",
+    "XferHandle",
     "XferState",
     "load_nixl",
 ]
-
-XferState = Literal["DONE", "PROC", "ERR"]
-
-_CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
-_api: ModuleType | None = None
 
 SPLIT_BATCH = 4
 """With posting threads, the fewest descriptors a transfer needs to be split (UCX's
 ``split_batch_size``), and the descriptors each chunk of a split takes: above 1, so that a
 one-descriptor transfer never pays a thread hop."""
-
-
-class NixlError(RuntimeError):
-    """A NIXL call failed; the message carries the binding's error.
-
-    The binding's exception is deliberately *not* chained: its traceback holds NIXL's frames,
-    which reference the agent, and would keep the UCX context (and its sockets) alive after
-    :meth:`NixlAgent.close` for as long as anyone holds the error.
-    """
-
-
-def _call(what: str, fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, with any binding error turned into a :class:`NixlError` raised outside the
-    ``except`` block (so that neither ``__cause__`` nor ``__context__`` keeps NIXL's frames)."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        message = f"{what} failed: {type(exc).__name__}: {exc}"
-    del fn, args  # the error's traceback keeps this frame: it must not keep the agent
-    raise NixlError(message)
-
-
-def load_nixl() -> Any:
-    """Import NIXL's Python API from whichever distribution is installed (cached).
-
-    NIXL's Python logger prints INFO lines to stdout; it is turned down to WARNING unless
-    ``NIXL_LOG_LEVEL`` asks otherwise.
-    """
-    global _api
-    if _api is None:
-        # UCX's TCP transport would listen on every interface: keep it on loopback unless the
-        # operator chose devices (multi-host deployments set UCX_NET_DEVICES themselves).
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        errors: list[str] = []
-        for name in _CANDIDATES:
-            try:
-                _api = importlib.import_module(name)
-                break
-            except ModuleNotFoundError as exc:
-                errors.append(f"{name}: {exc}")
-        else:
-            raise ModuleNotFoundError("NIXL is not installed (" + "; ".join(errors) + ")")
-        if not os.environ.get("NIXL_LOG_LEVEL"):
-            logging.getLogger("nixl").setLevel(logging.WARNING)
-    return _api
-
-
-@dataclass(frozen=True, slots=True)
-class AgentStatistics:
-    """What an agent holds right now, and what it did."""
-
-    name: str
-    registrations: int
-    registered_bytes: int
-    remote_agents: int
-    xfers_live: int
-    xfers_posted: int
-    dlists_live: int
-    remote_agents_replaced: int
-    num_threads: int
-
-
-class Registration:
-    """One registered memory region; :meth:`NixlAgent.deregister` releases it."""
-
-    __slots__ = ("_descs", "addr", "device_id", "mem_type", "size")
-
-    def __init__(self, descs: Any, addr: int, size: int, mem_type: MemoryKind, device_id: int):
-        self._descs = descs
-        self.addr = addr
-        self.size = size
-        self.mem_type: MemoryKind = mem_type
-        self.device_id = device_id
-
-
-class XferHandle:
-    """A posted (or prepared) transfer; release it with :meth:`NixlAgent.release`."""
-
-    __slots__ = ("_handle", "remote")
-
-    def __init__(self, handle: Any, remote: str) -> None:
-        self._handle = handle
-        self.remote = remote
-
-
-class DlistHandle:
-    """A descriptor list prepared once (all pages of a pool, local or a peer's): transfers then
-    name pages by index, and NIXL merges consecutive ones into one descriptor."""
-
-    __slots__ = ("_handle", "agent_name", "size")
-
-    def __init__(self, handle: Any, agent_name: str, size: int) -> None:
-        self._handle = handle
-        self.agent_name = agent_name
-        self.size = size
 
 
 class NixlAgent:
@@ -176,13 +82,13 @@ class NixlAgent:
         config = api.nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=[]
         )
-        self._agent: Any = _call(
+        self._agent: Any = call(
             f"creating NIXL agent {self.name!r}", api.nixl_agent, self.name, config
         )
         params = {}
         if num_threads:
             params = {"num_threads": str(num_threads), "split_batch_size": str(SPLIT_BATCH)}
-        _call("creating the UCX backend", self._agent.create_backend, "UCX", params)
+        call("creating the UCX backend", self._agent.create_backend, "UCX", params)
         self._registrations: set[Registration] = set()
         self._remotes: set[str] = set()
         self._xfers: set[XferHandle] = set()
@@ -199,7 +105,7 @@ class NixlAgent:
     def register(self, addr: int, size: int, mem_type: MemoryKind, device_id: int) -> Registration:
         """Register ``size`` bytes at ``addr`` (host memory or GPU ``device_id``) with UCX."""
         self._check_open()
-        descs = _call(
+        descs = call(
             f"register_memory({mem_type}, {size} B)",
             self._agent.register_memory,
             [(addr, size, device_id, "")],
@@ -252,7 +158,7 @@ class NixlAgent:
         return loaded
 
     def _load(self, metadata: bytes) -> str:
-        raw = _call("add_remote_agent", self._agent.add_remote_agent, metadata)
+        raw = call("add_remote_agent", self._agent.add_remote_agent, metadata)
         return raw.decode() if isinstance(raw, bytes) else str(raw)
 
     def remove_remote(self, name: str, *, force: bool = False) -> None:
@@ -288,12 +194,12 @@ class NixlAgent:
         """
         self._check_open()
         t0 = time.perf_counter()
-        ldescs = _call("get_xfer_descs", self._agent.get_xfer_descs, local, local_mem)
-        rdescs = _call("get_xfer_descs", self._agent.get_xfer_descs, remote, remote_mem)
+        ldescs = call("get_xfer_descs", self._agent.get_xfer_descs, local, local_mem)
+        rdescs = call("get_xfer_descs", self._agent.get_xfer_descs, remote, remote_mem)
         # No local may hold the binding's handle: an error's traceback keeps this frame, and
         # the handle keeps the agent (and UCX, and its sockets) alive.
         handle = XferHandle(
-            _call(
+            call(
                 f"initialize_xfer to {remote_agent!r}",
                 self._agent.initialize_xfer,
                 op,
@@ -312,7 +218,7 @@ class NixlAgent:
         self._posted += 1
         t0 = time.perf_counter()
         try:
-            state: XferState = _call(
+            state: XferState = call(
                 f"transfer to {handle.remote!r}", self._agent.transfer, handle._handle
             )
         except NixlError as exc:
@@ -339,7 +245,7 @@ class NixlAgent:
         self._check_open()
         name = "NIXL_INIT_AGENT" if remote_agent is None else remote_agent
         handle = DlistHandle(
-            _call(f"prep_xfer_dlist({name})", self._agent.prep_xfer_dlist, name, descs, mem),
+            call(f"prep_xfer_dlist({name})", self._agent.prep_xfer_dlist, name, descs, mem),
             name,
             int(descs.shape[0]),
         )
@@ -368,7 +274,7 @@ class NixlAgent:
         self._check_open()
         t0 = time.perf_counter()
         handle = XferHandle(
-            _call(
+            call(
                 f"make_prepped_xfer to {remote.agent_name!r}",
                 self._agent.make_prepped_xfer,
                 "WRITE",
