@@ -3,7 +3,7 @@
 :class:`Supervisor` answers the calls of :class:`~supervisors._api.SupervisorRef` (start,
 terminate, restart, delete, count, find children; statistics); what it does with its children
 between calls (start order, exits, strategy, restart scheduling, termination) is
-:class:`~supervisors._engine.Engine`'s.
+:class:`~supervisors._core.SupervisorCore`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from actors import ActorRef
 from actors.lowlevel import ASK, CellState, Item, Reply
 from supervisors import _api as api
 from supervisors._children import Child
-from supervisors._engine import Engine
+from supervisors._core import SupervisorCore
 from supervisors._errors import (
     ChildAlreadyPresent,
     ChildAlreadyStarted,
@@ -31,7 +31,7 @@ from supervisors._terminate import terminate
 __all__ = ["Supervisor"]
 
 
-class Supervisor(Engine):
+class Supervisor(SupervisorCore):
     """Starts children in order, restarts them per ``flags``, stops them in reverse order.
 
     With ``Strategy.SIMPLE_ONE_FOR_ONE`` the single spec is a template for dynamic children

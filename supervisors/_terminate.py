@@ -1,6 +1,6 @@
 """How a supervisor stops its children and frees their refs and names.
 
-Termination order belongs to the caller (:class:`~supervisors._engine.Engine`): one child at a
+Termination order belongs to the caller (:class:`~supervisors._core.SupervisorCore`): one child at a
 time in reverse start order, or simple_one_for_one's children all at once. These functions do
 one step of it and emit the ``terminated`` event under the supervisor's name.
 """

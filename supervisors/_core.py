@@ -1,11 +1,11 @@
-"""The supervisor's OTP engine: starting children, exits, strategy, restarts, termination.
+"""The supervisor's OTP core: starting children, exits, strategy, restarts, termination.
 
 A supervisor is an actor. Its children run as tasks in its task group (a dynamic supervisor's
 through a :class:`~supervisors._host.TaskHost`), each an :class:`~actors.lowlevel.Incarnation`
 bound to a stable ref. A child's exit arrives as a message, so the strategy is applied one event
 at a time and the supervisor stays responsive (also while a child keeps failing to restart).
 Delayed restarts are timer tasks that post a message back. The calls a supervisor answers are
-:class:`~supervisors._supervisor.Supervisor`'s, built on this engine.
+:class:`~supervisors._supervisor.Supervisor`'s, built on this core.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from supervisors._host import TaskHost
 from supervisors._spec import AutoShutdown, ChildSpec, Restart, Strategy, SupervisorFlags
 from supervisors._terminate import release, terminate, terminate_parallel
 
-__all__ = ["Engine"]
+__all__ = ["SupervisorCore"]
 
 
 ESCALATION = ExitReason.shutdown("reached_max_restart_intensity")
@@ -58,7 +58,7 @@ class _RestartDue:
     token: int
 
 
-class Engine(Actor):
+class SupervisorCore(Actor):
     """The supervisor minus its API: applies OTP's semantics to the children it is given."""
 
     def __init__(
