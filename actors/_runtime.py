@@ -16,7 +16,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from actors._actor import Actor, Exit, LinkedExit, deliver_notice
-from actors._backend import Reply, backend
+from actors._backend import Backend, Reply, backend
 from actors._errors import ActorCrashed, ReplyError, StreamCancelled
 from actors._exit import ExitReason
 from actors._mailbox import ASK, ASK_ABORTABLE, STREAM, TELL, Mailbox
@@ -58,17 +58,21 @@ def unwrap_error(exc: BaseException) -> BaseException:
 class Incarnation:
     """The running state of one start of an actor."""
 
-    def __init__(self, actor: Actor, ref: ActorRef[Any]) -> None:
+    def __init__(self, actor: Actor, ref: ActorRef[Any], loop: Backend | None = None) -> None:
+        """``loop``: the running event loop's backend where the starter has it (a supervisor,
+        per child: looking it up costs a tenth of a request stream's start)."""
         self.actor = actor
         self.ref = ref
-        self.backend = backend()
+        self.backend = loop or backend()
         self.mailbox = Mailbox(self.backend, actor.mailbox_capacity)
         self.ready: Reply = self.backend.reply()
         # Made when someone waits for the end (a supervisor stopping it): most request streams
         # end with nobody waiting, and an anyio Event costs more than the rest of this method.
         self._finished: anyio.Event | None = None
         self._ended = False
-        self.kill_scope = anyio.CancelScope()
+        # The task group's own scope, once it runs: one scope per actor, not two (each costs a
+        # tenth of a request stream's start). A kill before that is applied as the group opens.
+        self._scope: anyio.CancelScope | None = None
         self.stop_reason: ExitReason | None = None
         self.kill_reason: ExitReason | None = None
         self.exit_reason: ExitReason | None = None
@@ -112,7 +116,8 @@ class Incarnation:
         """Forced: cancel everything now; ``stopping`` does not run."""
         if self.kill_reason is None and self.exit_reason is None:
             self.kill_reason = reason
-            self.kill_scope.cancel()
+            if self._scope is not None:
+                self._scope.cancel()
 
     def watch(self, ref: ActorRef[Any], notice: Callable[[ExitReason], Any]) -> int:
         monitor_id = next(_ids)
@@ -172,39 +177,44 @@ class Incarnation:
         reason = ExitReason.normal()
         bound = stopping_ran = False
         try:
-            with self.kill_scope:
-                try:
-                    async with anyio.create_task_group() as tg:
-                        self.task_group = tg
-                        try:
-                            await self.actor.started()
-                        except Exception as exc:
-                            self.ready.fail(exc)
-                            tg.cancel_scope.cancel()
-                            return
-                        inbox = self.actor.inbox_override()
-                        cell.bind(self.mailbox if inbox is None else inbox, self.backend, self)
-                        bound = True
-                        self.ready.set(self.ref)
-                        reason = await self._serve(tg)
-                        await self._wait_pumps()
-                        stopping_ran = True
-                        await self.actor.stopping(reason)
-                        if self.spawned:
-                            tg.cancel_scope.cancel()
-                except BaseException as exc:
-                    error = _failure(exc)
-                    if error is None:
-                        raise
-                    cause = unwrap_error(error)
-                    reason = ExitReason.from_error(cause)
-                    if not bound:
-                        # A task of the actor crashed while started() ran: a start failure.
-                        self.ready.fail(cause)
-                    if bound and not stopping_ran:
-                        await self._stopping_after_crash(reason)
-            if self.kill_scope.cancelled_caught:
-                reason = self.kill_reason or ExitReason.killed()
+            try:
+                async with anyio.create_task_group() as tg:
+                    # A kill cancels the group's scope, which ends the actor and its tasks and
+                    # catches its own cancellation, as a scope around the group would.
+                    self._scope = scope = tg.cancel_scope
+                    if self.kill_reason is not None:
+                        scope.cancel()
+                    self.task_group = tg
+                    try:
+                        await self.actor.started()
+                    except Exception as exc:
+                        self.ready.fail(exc)
+                        scope.cancel()
+                        return
+                    inbox = self.actor.inbox_override()
+                    cell.bind(self.mailbox if inbox is None else inbox, self.backend, self)
+                    bound = True
+                    self.ready.set(self.ref)
+                    reason = await self._serve(tg)
+                    await self._wait_pumps()
+                    stopping_ran = True
+                    await self.actor.stopping(reason)
+                    if self.spawned:
+                        scope.cancel()
+            except BaseException as exc:
+                error = _failure(exc)
+                if error is None:
+                    raise
+                cause = unwrap_error(error)
+                reason = ExitReason.from_error(cause)
+                if not bound:
+                    # A task of the actor crashed while started() ran: a start failure.
+                    self.ready.fail(cause)
+                if bound and not stopping_ran:
+                    await self._stopping_after_crash(reason)
+            else:
+                if self.kill_reason is not None and scope.cancelled_caught:
+                    reason = self.kill_reason
         except BaseException:
             # Cancelled from outside (the owner is going away).
             reason = self.kill_reason or OWNER_GONE
@@ -229,10 +239,14 @@ class Incarnation:
             del self.actor
 
     async def _stopping_after_crash(self, reason: ExitReason) -> None:
-        try:
-            await self.actor.stopping(reason)
-        except Exception:
-            pass
+        # Outside the task group: a scope of its own, so a kill still ends it.
+        with anyio.CancelScope() as self._scope:
+            if self.kill_reason is not None:
+                self._scope.cancel()
+            try:
+                await self.actor.stopping(reason)
+            except Exception:
+                pass
 
     async def _wait_pumps(self) -> None:
         """Graceful exit: the running streams finish first (or the shutdown timeout kills)."""
@@ -360,6 +374,9 @@ class Incarnation:
                 self._pumps_idle.set()
 
     def _fail_pending(self, reason: ExitReason) -> None:
+        if self.crashed_reply is None and not self.mailbox.items and not self.channels:
+            self.mailbox.close()  # nothing pending (a finished request stream): no error built
+            return
         error = crash_error(self.ref.name, reason)
         if self.crashed_reply is not None:
             self.crashed_reply.fail(error)

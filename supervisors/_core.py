@@ -163,7 +163,7 @@ class SupervisorCore(Actor):
             actor = child.spec.start(*child.args)
         except Exception as exc:
             raise self._start_failed(child, exc) from exc
-        inc = Incarnation(actor, child.ref)
+        inc = Incarnation(actor, child.ref, self._runtime.backend)
         child.inc = inc
         if first is not None:
             inc.mailbox.put_nowait(first)
