@@ -3,7 +3,8 @@
     python -m benchmarks.actors [--quick]   (as a script, this file would shadow the actors package)
 
 Prints a table, then one JSON line with ask_rtt_us_p50_{asyncio,trio},
-tell_msgs_per_s_{asyncio,trio}, restart_us_p50_{asyncio,trio}, spawn_10k_actors_s and the
+tell_msgs_per_s_{asyncio,trio}, restart_us_p50_{asyncio,trio},
+dynamic_start_ask_us_p50_{asyncio,trio}, spawn_10k_actors_s and the
 baselines baseline_asyncio_queue_msgs_per_s, baseline_anyio_stream_rtt_us_p50.
 """
 
@@ -35,6 +36,14 @@ class Echo(Actor):
 
 class Idle(Actor):
     pass
+
+
+class OneShot(Actor):
+    """A request stream's shape: started with its first message, answers it, and ends."""
+
+    async def receive(self, message: Any) -> Any:
+        self.stop()
+        return message
 
 
 async def _ask_rtt(ref: ActorRef[Any], n: int) -> float:
@@ -96,6 +105,24 @@ async def _spawn(n: int) -> float:
     return elapsed
 
 
+async def _start_ask_us(n: int) -> float:
+    """``start_dynamic_ask`` round trip: a temporary child started with the message in its
+    mailbox, until its reply (the serving path's start of a request stream)."""
+    template = ChildSpec("oneshot", OneShot, restart=Restart.TEMPORARY, shutdown=5.0)
+    flags = SupervisorFlags(Strategy.SIMPLE_ONE_FOR_ONE, intensity=10**9, period=1)
+    async with open_supervisor([template], flags) as sup:
+        for _ in range(min(n, 1000)):
+            await sup.start_dynamic_ask(1)
+        samples = []
+        clock = time.perf_counter
+        for _ in range(n):
+            start = clock()
+            await sup.start_dynamic_ask(1)
+            samples.append(clock() - start)
+            await anyio.lowlevel.checkpoint()  # the child's exit, as between requests
+    return percentile(samples, 50) * 1e6
+
+
 async def _baseline_queue(n: int) -> float:
     queue: asyncio.Queue[int] = asyncio.Queue(65536)
     done = asyncio.Event()
@@ -145,6 +172,8 @@ def main() -> None:
         core = anyio.run(_core, quick, backend=backend)
         for key, value in core.items():
             results[f"{key}_{backend}"] = round(value, 2)
+        start_ask = anyio.run(_start_ask_us, 2_000 if quick else 20_000, backend=backend)
+        results[f"dynamic_start_ask_us_p50_{backend}"] = round(start_ask, 2)
     results["spawn_10k_actors_s"] = round(anyio.run(_spawn, 10_000), 3)
     n_base = 200_000 if quick else 1_000_000
     results["baseline_asyncio_queue_msgs_per_s"] = round(anyio.run(_baseline_queue, n_base), 0)
@@ -162,6 +191,12 @@ def main() -> None:
             "crash -> new incarnation ready",
         ),
         ("restart p50, trio (us)", results["restart_us_p50_trio"], ""),
+        (
+            "start_dynamic_ask p50, asyncio (us)",
+            results["dynamic_start_ask_us_p50_asyncio"],
+            "temporary child started with an ask, to its reply",
+        ),
+        ("start_dynamic_ask p50, trio (us)", results["dynamic_start_ask_us_p50_trio"], ""),
         (
             "spawn 10k dynamic actors (s)",
             results["spawn_10k_actors_s"],
