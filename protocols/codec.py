@@ -154,13 +154,13 @@ def decode_many(data: bytes | bytearray | memoryview) -> list[Any]:
 
 def _batch_decoder(tag: str) -> Callable[[msgspec.Raw], list[Any]]:
     """How a batch of ``tag`` items decodes (kept per tag: a stream's batches share theirs)."""
-    if tag == _MIXED:
-        return lambda raw: [decode(memoryview(item)) for item in _mixed.decode(raw)]
-    cls = _by_tag.get(tag)
-    if cls is None:
-        raise CodecError(f"unknown message tag {tag!r}")
     decoder: Callable[[msgspec.Raw], list[Any]]
-    if issubclass(cls, msgspec.Struct | enum.Enum):
+    cls = _by_tag.get(tag)
+    if tag == _MIXED:
+        decoder = lambda raw: [decode(memoryview(item)) for item in _mixed.decode(raw)]  # noqa: E731
+    elif cls is None:
+        raise CodecError(f"unknown message tag {tag!r}")
+    elif issubclass(cls, msgspec.Struct | enum.Enum):
         decoder = msgspec.msgpack.Decoder(list[cls]).decode  # type: ignore[valid-type]
     else:
         decoder = lambda raw: [_converter.structure(m, cls) for m in _plain_list(raw)]  # noqa: E731
