@@ -71,7 +71,10 @@ class StreamOptions:
     stall_timeout: float = 30.0  # longest gap between two outputs
     request_timeout: float = 600.0  # the whole request
     router: Policy = "kv_aware"  # how workers are picked (the router's policy)
-    buffer: int = 16
+    # Outputs an engine may send ahead of the client (its credit window). The root returns
+    # credit per half window, a message that also wakes the engine's process: per 16 outputs
+    # (32 here), not per 8, took about 2 us off the root's CPU per streamed output.
+    buffer: int = 32
 
 
 class RequestStream(Actor):
