@@ -196,8 +196,9 @@ class ReplyStream(Generic[T]):
 
     def receive(self, timeout: float | None = None) -> Awaitable[T]:
         """The next reply (``StopAsyncIteration`` at the end); ``TimeoutError`` if none came
-        within ``timeout`` seconds (it fires up to two ticks of the deadline sweep late, 20 ms,
-        and costs no timer). The channel's coroutine itself, as for ``__anext__``."""
+        within ``timeout`` seconds (it fires up to two ticks of the deadline sweep late: 20 ms,
+        or 1 s for a timeout of 10 s or more; it costs no timer). The channel's coroutine
+        itself, as for ``__anext__``."""
         return self._channel.receive(timeout)
 
     def receive_nowait(self) -> T:
