@@ -10,8 +10,7 @@ front, and drops a value's FIFO once empty (a timeout left until a deadline take
 Timeouts fire up to two ticks late (the default ask timeout is 5 s). Long ones (at least
 :data:`LONG_TIMEOUT`: a request stream's stall and request timeouts, pending all through a
 stream) go to a second sweep that ticks every :data:`COARSE_TICK`, so up to 1 s late: a streaming
-loop then wakes twice a second for them instead of a hundred times (the 100 Hz sweep was about
-2 % of a streaming root's CPU).
+loop then wakes twice a second for them instead of a hundred times.
 """
 
 from __future__ import annotations

@@ -27,9 +27,8 @@ _ITL_BUCKETS = (
 _DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 #: A request adds its streamed tokens to ``output_tokens`` in steps of at least this many (and the
-#: rest when it ends): one locked update per step instead of one per output (per-output updates
-#: were a tenth of the root's Python time per streamed chunk). The counter lags a running
-#: request by fewer tokens than this.
+#: rest when it ends): one locked update per step instead of one per output (four Python calls
+#: and a lock per streamed chunk). The counter lags a running request by fewer tokens than this.
 OUTPUT_TOKENS_STEP = 32
 
 
