@@ -166,18 +166,21 @@ class PrefillRoom:
             # is stopped and settled before the caller may free the pages.
             self._ready = None
             if self._posted is not None:
-                self._fail(TransferAborted(f"prefill stopped sending room {self.room}"))
+                self._abort.set()  # unless it is done already: then the room is done
                 with anyio.CancelScope(shield=True), contextlib.suppress(KVTransferError):
                     await self._write(self._posted, int(local.size))
             raise
         self._ready = None
         if self._posted is None:
             assert self.failure is not None
-            raise self.failure from self._post_error
+            if self._post_error is not None:
+                raise self.failure from self._post_error
+            raise self.failure
         return await self._write(self._posted, int(local.size))
 
     async def _write(self, posted: _Posted, pages: int) -> TransferResult:
-        """Poll the posted WRITE to its end (it is terminal on every path) and settle the room."""
+        """Poll the posted WRITE to its end and settle the room (write_pages returns only once
+        the WRITE is terminal, on every path)."""
         kv, req, cfg = self._kv, self.request, self._kv.config
         assert req is not None
         post, started, nbytes, ndescs = posted

@@ -51,3 +51,26 @@ async def test_waiting_senders_post_their_writes_where_the_page_lists_arrive(
                 alloc.free()
             assert kv.is_quiescent() and kv.agent.statistics().xfers_live == 0
             await assert_peer_clean(proc)
+
+
+async def test_a_sender_cancelled_while_waiting_posts_nothing_after(ipc_dir: str) -> None:
+    # Its pages may be freed as soon as send() left: the page list arriving later finds the
+    # room requested, and nothing is written.
+    with anyio.fail_after(60):
+        async with local_prefill() as kv, peer("decode", ipc_dir) as (proc, _):
+            await proc.call(Connect(endpoint=kv.endpoint))
+            room = kv.open_room()
+            alloc = kv.pool.alloc(PAGES)
+            with anyio.move_on_after(0.01):
+                await room.send(alloc)
+            alloc.free()
+            out: list[Outcome] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(receive_in_child, proc, kv.endpoint, room.room, PAGES, 1, out)
+                await room.wait_requested(10)
+                assert room.state is RoomState.REQUESTED
+                room.close()  # decode hears of it
+            assert len(out) == 1 and not out[0].ok
+            assert kv.is_quiescent() and kv.agent.statistics().xfers_live == 0
+            assert kv.statistics().rooms_done == 0
+            await assert_peer_clean(proc)
