@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -13,7 +15,7 @@ import numpy.typing as npt
 
 from actors.kv._bootstrap import bootstrap_info
 from actors.kv._checksum import page_checksums
-from actors.kv._nixl import DlistHandle, XferHandle, XferState
+from actors.kv._nixl import DlistHandle, NixlError, XferHandle, XferState
 from actors.kv._pool import PageAllocation, as_page_array
 from actors.kv._transfer import (
     TransferAborted,
@@ -92,6 +94,11 @@ class TransferResult:
     seconds: float  # the WRITE, from posting to NIXL's DONE (KV and notification delivered)
 
 
+_Posted = tuple[Callable[[], tuple[XferHandle, XferState]], float, int, int]
+"""A posted WRITE as :func:`write_pages` takes it over: its ``start``, when it was posted, and
+its bytes and descriptors."""
+
+
 class PrefillRoom:
     """One request's KV hand-off; a context manager that closes (and so aborts) the room."""
 
@@ -107,6 +114,11 @@ class PrefillRoom:
         self._tell_decode = True
         self._close_requested = False
         self._notif = b""
+        # What send() gave, until the WRITE is posted; then how write_pages takes it over.
+        self._ready: tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64] | None, bytes] | None
+        self._ready = None
+        self._posted: _Posted | None = None
+        self._post_error: ValueError | None = None
 
     async def wait_requested(self, timeout: float | None = None) -> None:
         """Wait until decode sent its page list; raises the room's failure or ``TimeoutError``."""
@@ -136,46 +148,55 @@ class PrefillRoom:
         """
         if self.state == RoomState.FAILED and self.failure is not None:
             raise self.failure  # aborted before the KV was ready: decode cancelled, peer lost
-        if self.state not in (RoomState.OPEN, RoomState.REQUESTED):
+        if self.state not in (RoomState.OPEN, RoomState.REQUESTED) or self._ready is not None:
             raise RuntimeError(f"room {self.room} cannot send in state {self.state.value}")
         kv = self._kv
         local = as_page_array(pages)
+        self._ready = (local, checksums, aux)
+        if self.request is not None:
+            self._post()
         try:
-            await self.wait_requested(kv.config.bootstrap_timeout)
+            with anyio.fail_after(kv.config.bootstrap_timeout):
+                while self._posted is None and self.failure is None:
+                    await self._wake.wait()
         except TimeoutError:
             self._fail(KVTransferError(f"decode never asked for room {self.room}"))
-        if self.failure is not None:
+        except BaseException:
+            # Cancelled: nothing is posted once send() has left, and a WRITE posted meanwhile
+            # is stopped and settled before the caller may free the pages.
+            self._ready = None
+            if self._posted is not None:
+                self._abort.set()  # unless it is done already: then the room is done
+                with anyio.CancelScope(shield=True), contextlib.suppress(KVTransferError):
+                    await self._write(self._posted, int(local.size))
+            raise
+        self._ready = None
+        if self._posted is None:
+            assert self.failure is not None
+            if self._post_error is not None:
+                raise self.failure from self._post_error
             raise self.failure
-        req = self.request
+        return await self._write(self._posted, int(local.size))
+
+    async def _write(self, posted: _Posted, pages: int) -> TransferResult:
+        """Poll the posted WRITE to its end and settle the room (write_pages returns only once
+        the WRITE is terminal, on every path)."""
+        kv, req, cfg = self._kv, self.request, self._kv.config
         assert req is not None
-        try:
-            start_write, nbytes, ndescs = self._plan(local, req)
-        except ValueError as exc:
-            self._fail(KVTransferError(f"room {self.room}: {exc}"))
-            raise self.failure from exc  # type: ignore[misc]
-        sums = b""
-        if req.want_checksums:
-            if checksums is None:
-                checksums = page_checksums(kv.pool, local)
-            sums = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
-        self._notif = encode_notification(TransferNotification(self.room, sums, aux))
-        self.state = RoomState.TRANSFERRING
-        kv._transfer_started(req.peer)
-        kv._send(req.peer.routing_id, Writing(room=self.room))
-        cfg = kv.config
+        post, started, nbytes, ndescs = posted
         try:
             seconds = await write_pages(
                 kv.agent,
-                start_write,
+                post,
                 req.peer.agent_name,
                 timeout=cfg.transfer_timeout,
                 abort=self._abort,
                 spin_s=cfg.spin_s,
                 yields=cfg.yields,
                 settle_timeout=cfg.settle_timeout,
+                started=started,
             )
         except BaseException as exc:
-            # The WRITE is terminal here (write_pages settles it on every path).
             if self.failure is None:
                 self.failure = (
                     exc
@@ -192,12 +213,46 @@ class PrefillRoom:
         kv._transfer_ended(req.peer)
         kv._room_done(self, nbytes, ndescs)
         return TransferResult(
-            room=self.room,
-            pages=int(local.size),
-            nbytes=nbytes,
-            descriptors=ndescs,
-            seconds=seconds,
+            room=self.room, pages=pages, nbytes=nbytes, descriptors=ndescs, seconds=seconds
         )
+
+    def _post(self) -> None:
+        """Post the WRITE now: :meth:`send` has the pages and decode's page list is here. Called
+        where the page list arrives (the service's frame handler), so that a burst of requests
+        (a drain's live migrations) has its WRITEs posted back to back, not each once its
+        sender's task gets its turn; :meth:`send` then polls it to its end."""
+        kv, req, ready = self._kv, self.request, self._ready
+        assert req is not None and ready is not None and self.state == RoomState.REQUESTED
+        local, checksums, aux = ready
+        self._ready = None
+        try:
+            start_write, nbytes, ndescs = self._plan(local, req)
+        except ValueError as exc:
+            self._post_error = exc
+            self._fail(KVTransferError(f"room {self.room}: {exc}"))
+            return
+        sums = b""
+        if req.want_checksums:
+            if checksums is None:
+                checksums = page_checksums(kv.pool, local)
+            sums = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
+        self._notif = encode_notification(TransferNotification(self.room, sums, aux))
+        self.state = RoomState.TRANSFERRING
+        kv._transfer_started(req.peer)
+        kv._send(req.peer.routing_id, Writing(room=self.room))
+        started = time.perf_counter()
+        try:
+            posted: tuple[XferHandle, XferState] | NixlError = start_write()
+        except NixlError as exc:
+            posted = exc
+
+        def post() -> tuple[XferHandle, XferState]:
+            if isinstance(posted, NixlError):
+                raise posted  # write_pages fails the room with it
+            return posted
+
+        self._posted = (post, started, nbytes, ndescs)
+        self._wake.set()
 
     def _plan(
         self, local: npt.NDArray[np.int64], req: TransferRequestRecord
@@ -271,6 +326,8 @@ class PrefillRoom:
         self.request = req
         if self.state == RoomState.OPEN:
             self.state = RoomState.REQUESTED
+        if self._ready is not None and self.failure is None:
+            self._post()  # send() is waiting for this page list: the WRITE goes out now
         self._wake.set()
 
     def _fail(self, failure: RequestError, *, tell_decode: bool = True) -> None:

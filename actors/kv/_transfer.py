@@ -163,6 +163,7 @@ async def write_pages(
     spin_s: float = 0.02,
     yields: bool = False,
     settle_timeout: float = 5.0,
+    started: float | None = None,
 ) -> float:
     """Post a WRITE (``start()``) to ``remote_agent`` and wait until NIXL reports it done.
 
@@ -173,9 +174,10 @@ async def write_pages(
     :class:`TransferAborted` once ``abort`` is set. In every case, cancellation included, it
     returns only after the transfer is terminal (bounded by ``settle_timeout``). It polls
     without sleeping for ``spin_s`` (yielding the CPU between polls if ``yields``), then backs
-    off.
+    off. ``started``: the ``time.perf_counter()`` at which ``start`` posted the WRITE, when the
+    caller posted it ahead (``start`` then returns its handle).
     """
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if started is None else started
     try:
         handle, state = start()
     except NixlError as exc:

@@ -13,6 +13,7 @@ from actors.engines import (
     page_checksum,
     prompt_page_hashes,
 )
+from actors.engines._mock._kvmem import KvPageMemory
 from protocols.engine import BootstrapInfo, MemoryTag, PauseMode
 from protocols.errors import KVCorrupted, KVTransferError
 from tests.engines._mock_helpers import (
@@ -93,6 +94,34 @@ async def test_pages_hold_their_deterministic_content() -> None:
         assert not engine.verify_block(1, first)
         buffer[0, 7] ^= 0xFF
         assert not engine.verify_block(0, first)
+
+
+def test_tensor_pages_are_written_and_verified_in_one_pass() -> None:
+    """The device path of the page memory (a torch tensor, here on the CPU unless the tests
+    run with ``cuda``): many pages written and verified at once, as on the host."""
+    torch = pytest.importorskip("torch")
+    host = KvPageMemory(0, 16, 256, "cpu")
+    tensor = KvPageMemory(0, 16, 256, DEVICE)
+    host.allocate()
+    tensor.allocate()
+    if DEVICE == "cpu":
+        # The tensor stand-in for device memory: what HostOrDeviceBuffer holds on a GPU.
+        assert tensor._buf is not None
+        tensor._buf.host, tensor._pages = None, None
+        tensor._buf.tensor = torch.zeros(16 * 256, dtype=torch.uint8)
+    hashes = prompt_page_hashes(list(range(100)), 16)  # 7 pages, the last one partial
+    blocks = [9, 2, 15, 4, 0, 11, 6]
+    for memory in (host, tensor):
+        memory.write_pages(blocks, hashes)
+        assert memory.bad_pages(blocks, hashes) == []
+    assert np.array_equal(tensor.buffer().cpu().numpy(), host.buffer())
+    tensor.buffer()[blocks[3], 5] ^= 1
+    tensor.buffer()[blocks[6], 255] ^= 1
+    assert tensor.bad_pages(blocks, hashes) == [3, 6]
+    assert tensor.bad_pages(blocks[:3], hashes[:3]) == []
+    assert not tensor.verify(blocks[3], hashes[3]) and tensor.verify(blocks[4], hashes[4])
+    host.free()
+    tensor.free()
 
 
 async def _disaggregated(

@@ -271,13 +271,12 @@ class KvPageMemory:
         if self._pages is not None:
             self._pages[list(block_ids)] = expected
             return
-        buf = self._require()
+        # On a device: one host-to-device copy and one scatter for all the pages.
+        blocks = self.buffer()
         torch = importlib.import_module("torch")
-        for block_id, page in zip(block_ids, expected, strict=True):
-            start = block_id * self.block_bytes
-            buf.tensor[start : start + self.block_bytes].copy_(
-                torch.from_numpy(page.reshape(-1).view(np.uint8))
-            )
+        pages = torch.from_numpy(expected.reshape(len(hashes), -1).view(np.uint8))
+        index = torch.tensor(list(block_ids), dtype=torch.int64, device=blocks.device)
+        blocks.index_copy_(0, index, pages.to(blocks.device))
 
     def read(self, block_id: int) -> npt.NDArray[np.uint8]:
         """A host copy of one block's bytes."""
@@ -299,16 +298,15 @@ class KvPageMemory:
     def bad_pages(self, block_ids: Sequence[int], hashes: Sequence[int]) -> list[int]:
         """Indices ``i`` whose block ``block_ids[i]`` does not hold the page ``hashes[i]``.
 
-        On the host, one vectorised comparison for all the pages, whatever their number: a
-        live migration verifies every context that arrived together (64 pages per 4k tokens)
-        in one pass on the receiving engine's event loop."""
-        if self._pages is None:
-            return [i for i, h in enumerate(hashes) if not self.verify(block_ids[i], h)]
+        One vectorised comparison for all the pages, whatever their number (on a device, after
+        one gather there and one copy back, not a synchronising copy per page): a live migration
+        verifies every context that arrived together (64 pages per 4k tokens) in one pass on the
+        receiving engine's event loop."""
         n = len(hashes)
         if not n:
             return []
         base = _base_words(hashes)[:, None, :]
-        got = self._pages.take(block_ids[:n], axis=0)  # a copy: XORed in place
+        got = self._gather(block_ids[:n])  # a copy: XORed in place
         # Zero where a page holds its expected content. Few numpy calls on the path where all
         # pages verify: each costs far more than its bytes on a busy engine's event loop.
         got ^= self._row_tile
@@ -316,6 +314,16 @@ class KvPageMemory:
         if not got.any():
             return []
         return [int(i) for i in np.flatnonzero(got.reshape(n, -1).any(axis=1))]
+
+    def _gather(self, block_ids: Sequence[int]) -> U64Array:
+        """A host copy of the blocks ``block_ids``, ``(n, rows, 8)``."""
+        if self._pages is not None:
+            return self._pages.take(block_ids, axis=0)
+        blocks = self.buffer()
+        torch = importlib.import_module("torch")
+        index = torch.tensor(list(block_ids), dtype=torch.int64, device=blocks.device)
+        host: npt.NDArray[np.uint8] = blocks.index_select(0, index).cpu().numpy()
+        return host.view(np.uint64).reshape(len(block_ids), self._rows.size, _ROW_WORDS)
 
     def checksum(self, block_id: int) -> int:
         """The same checksum as :func:`page_checksum`, over what the block holds now."""

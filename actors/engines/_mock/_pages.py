@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from actors.engines._mock._kvmem import KvPageMemory, page_hash, prompt_page_hashes
@@ -9,7 +11,7 @@ from actors.engines._mock._pool import BlockPool
 from actors.engines._mock._request import ExpectedKV, MockRequest
 from actors.engines._mock._tokens import TokenModel, token_bytes
 
-__all__ = ["expected_kv", "fill_pages", "hashes_upto", "write_partial"]
+__all__ = ["expected_kv", "fill_pages", "hashes_upto", "write_partials"]
 
 
 def expected_kv(req: MockRequest, block_size: int, model: TokenModel) -> ExpectedKV:
@@ -46,10 +48,18 @@ def fill_pages(
         )
 
 
-def write_partial(req: MockRequest, block_size: int, memory: KvPageMemory) -> None:
-    """Write the trailing partial page (a prefill's last), so a transfer can verify it."""
-    bs, n = block_size, req.kv_len
-    if n % bs:
-        p = n // bs
-        parent = hashes_upto(req, p, bs)[p - 1] if p else None
-        memory.write(req.blocks[p], page_hash(parent, req.seq[p * bs : n]))
+def write_partials(reqs: Sequence[MockRequest], block_size: int, memory: KvPageMemory) -> None:
+    """Write the trailing partial page of each of ``reqs`` (a prefill's last, a handed-over
+    sequence's newest), so a transfer can verify it: one write for them all (on a device, one
+    copy and one scatter, not one per request on the way to a drain's hand-over)."""
+    bs = block_size
+    blocks: list[int] = []
+    hashes: list[int] = []
+    for req in reqs:
+        n = req.kv_len
+        if n % bs:
+            p = n // bs
+            parent = hashes_upto(req, p, bs)[p - 1] if p else None
+            blocks.append(req.blocks[p])
+            hashes.append(page_hash(parent, req.seq[p * bs : n]))
+    memory.write_pages(blocks, hashes)

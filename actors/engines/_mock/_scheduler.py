@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 import numpy as np
@@ -24,7 +24,7 @@ from actors.engines._mock._batch import DecodeBatch
 from actors.engines._mock._config import MockEngineConfig
 from actors.engines._mock._kvmem import KvPageMemory
 from actors.engines._mock._loop import LoopMixin, Step, StepRecord
-from actors.engines._mock._pages import expected_kv, fill_pages, hashes_upto, write_partial
+from actors.engines._mock._pages import expected_kv, fill_pages, hashes_upto, write_partials
 from actors.engines._mock._pool import BlockPool
 from actors.engines._mock._publish import KvEventPublisher
 from actors.engines._mock._request import MockRequest, Phase
@@ -271,15 +271,17 @@ class RankScheduler(LoopMixin):
             if req.phase is Phase.AWAITING_KV and req.expected is None:
                 req.expected = expected_kv(req, self.cfg.block_size, self.tokens)
 
-    def hand_over(self, req: MockRequest) -> None:
-        """Decode, live migration: ``req`` (decoding) stops here; its stream ends ``cancelled``
-        and its KV stays owed to the transfer layer (see ``_hold``). The KV covers every token
-        but the newest: that one's KV is only computed by the next decode step. Called between
-        steps (``hold``), so no step's work is lost."""
-        self.batch.leave(req)
-        write_partial(req, self.cfg.block_size, self.memory)
-        self.handed_over += 1
-        self._hold(req, "cancelled")
+    def hand_over(self, reqs: Sequence[MockRequest]) -> None:
+        """Decode, live migration: ``reqs`` (decoding) stop here; their streams end
+        ``cancelled`` and their KV stays owed to the transfer layer (see ``_hold``). The KV
+        covers every token but the newest: that one's KV is only computed by the next decode
+        step. Called between steps (``hold``), so no step's work is lost."""
+        for req in reqs:
+            self.batch.leave(req)
+        write_partials(reqs, self.cfg.block_size, self.memory)
+        for req in reqs:
+            self.handed_over += 1
+            self._hold(req, "cancelled")
         self.after_change()
 
     def _admit(self, req: MockRequest, transfer: bool) -> bool:
@@ -405,8 +407,8 @@ class RankScheduler(LoopMixin):
         seeds = np.array([r.seed_word for r in done], dtype=np.uint64)
         regular, eos = self.tokens.next_tokens(hs, seeds)
         prefill_role = self.cfg.role == "prefill"
+        write_partials(done, self.cfg.block_size, self.memory)
         for i, req in enumerate(done):
-            write_partial(req, self.cfg.block_size, self.memory)
             token: int | None = None
             reason: FinishReason | None = None
             if req.ngen < req.max_new:

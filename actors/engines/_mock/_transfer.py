@@ -207,17 +207,19 @@ class TransferMixin:
         try:
             for sched in self._ranks:
                 await sched.wait_step_boundary()
-            pages: dict[str, KvPages | None] = {}
-            for rid in rids:
-                req = self._find(rid)
-                if req is None or req.phase is Phase.FINISHED:
-                    continue
-                if req.phase is not Phase.DECODE:
-                    pages[rid] = None
-                    continue
-                self._ranks[req.rank].hand_over(req)
-                pages[rid] = self._pages(req, req.kv_len)
-            return pages
+            found = {rid: self._find(rid) for rid in rids}
+            handed = {
+                rid: r for rid, r in found.items() if r is not None and r.phase is Phase.DECODE
+            }
+            for rank, sched in enumerate(self._ranks):
+                mine = [r for r in handed.values() if r.rank == rank]
+                if mine:
+                    sched.hand_over(mine)  # all at once: one write of their partial pages
+            return {
+                rid: self._pages(handed[rid], handed[rid].kv_len) if rid in handed else None
+                for rid, req in found.items()
+                if req is not None and req.phase is not Phase.FINISHED
+            }
         finally:
             for sched in self._ranks:
                 sched.release_hold()
