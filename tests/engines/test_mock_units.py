@@ -26,8 +26,11 @@ from actors.engines import (
     page_hash,
     prompt_page_hashes,
 )
+from actors.engines._mock._pages import expected_kv
 from actors.engines._mock._pool import BlockPool
+from actors.engines._mock._request import MockRequest
 from actors.engines._mock._tokens import TokenModel
+from tests.engines._mock_helpers import request
 
 
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=300))
@@ -124,6 +127,46 @@ def test_page_hashes_chain_and_content() -> None:
     assert len({bytes(r) for r in rows}) == 4  # every 64-byte row differs
     words = content.view(np.uint64)
     assert page_checksum(hashes[0], 256) == int(words.sum(dtype=np.uint64))
+
+
+def _chain(tokens: list[int], bs: int, partial: bool = True) -> list[int]:
+    """Page hashes one :func:`page_hash` at a time (the reference)."""
+    end = len(tokens) if partial else len(tokens) - len(tokens) % bs
+    hashes: list[int] = []
+    for start in range(0, end, bs):
+        hashes.append(page_hash(hashes[-1] if hashes else None, tokens[start : start + bs]))
+    return hashes
+
+
+def test_page_hashes_of_whole_contexts_equal_the_chain_page_by_page() -> None:
+    model = TokenModel(300, 257, 0.0)
+    rng = np.random.default_rng(3)
+    lengths = [0, 1, 15, 16, 17, 64, 100, 4103]  # empty, partial only, exact pages, partial tail
+    prompts = [[int(t) for t in rng.integers(0, 1 << 40, n)] for n in lengths]
+    for prompt in prompts:
+        arr = np.array(prompt, dtype=np.int64)
+        for partial in (True, False):
+            want = _chain(prompt, 16, partial)
+            assert prompt_page_hashes(prompt, 16, partial=partial) == want
+            assert prompt_page_hashes(arr, 16, partial=partial) == want
+    # What a live migration's receiver expects, for several requests of different lengths:
+    # the same hashes, so byte-identical page content, and the whole prompt's prefix hash.
+    for i, prompt in enumerate(p for p in prompts if p):
+        req = MockRequest(
+            request(f"r{i}", prompt),
+            0,
+            max_new=8,
+            min_new=0,
+            stop=frozenset(),
+            seed_word=0,
+            bootstrap=None,
+        )
+        got = expected_kv(req, 16, model)
+        want = _chain(prompt, 16)
+        assert got.prompt == prompt and got.hashes == want
+        assert got.prefix_hash == model.prefix_hash(prompt)
+        for g, w in zip(got.hashes, want, strict=True):
+            assert np.array_equal(page_content(g, 256), page_content(w, 256))
 
 
 def test_timing_model_is_dynamos_mocker() -> None:

@@ -20,7 +20,7 @@ def expected_kv(req: MockRequest, block_size: int, model: TokenModel) -> Expecte
     prompt = req.seq[: req.prompt_len]
     tokens = np.frombuffer(token_bytes(prompt), dtype=np.int64)
     hashes = prompt_page_hashes(tokens, block_size)
-    return ExpectedKV(prompt, tokens, hashes, model.prefix_hash(tokens))
+    return ExpectedKV(prompt, hashes, model.prefix_hash(tokens))
 
 
 def hashes_upto(req: MockRequest, pages: int, block_size: int) -> list[int]:

@@ -11,8 +11,6 @@ import enum
 from typing import NamedTuple, Protocol, Self
 
 import anyio
-import numpy as np
-import numpy.typing as npt
 
 from protocols.engine import BootstrapInfo, EngineOutput, FinishReason, PreprocessedRequest, Usage
 from protocols.errors import RequestError
@@ -34,7 +32,6 @@ class ExpectedKV(NamedTuple):
     side does it while the transfer is in flight, so the KV's arrival only compares pages."""
 
     prompt: list[int]
-    tokens: npt.NDArray[np.int64]  # the prompt as int64, converted once
     hashes: list[int]  # chained hashes of every page, the trailing partial one included
     prefix_hash: int  # the token model's hash of the whole prompt (the first token's input)
 

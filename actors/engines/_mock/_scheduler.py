@@ -259,7 +259,7 @@ class RankScheduler(LoopMixin):
             return False
         if len(self.running) >= self.cfg.max_running_requests or not self._admit(req, True):
             return False
-        self.after_change()
+        self.after_change(publish=False)  # its evictions: with the others of a drain's burst
         return True
 
     def prepare_transfers(self) -> None:
