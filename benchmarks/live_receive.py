@@ -12,12 +12,15 @@ page verified, the pages registered and published, the first token computed). Th
 are written before it, as the NIXL WRITE would. CPU time of this thread (``time.thread_time``)
 per call, as the machines here are shared, and wall time beside it.
 
-Then the same with a drain's worth of requests landing together (``BATCH`` of them, opened and
-written one after another, then completed in one ``complete_transfers`` call, as the KV bridge
-does for rooms whose KV arrives in one event-loop turn): CPU per request of that call.
+Then the same with a drain's worth of requests landing together (8, as ``lifecycle --quick``
+drains, then 16: opened one after another, prepared in one turn of the step loop, written, then
+completed in one ``complete_transfers`` call, as the KV bridge does for rooms whose KV arrives in
+one event-loop turn): CPU per request of each stage.
 
 A table first, then one JSON line: receive_open_cpu_us_p50, receive_prepare_cpu_us_p50,
-receive_complete_cpu_us_p50, receive_complete_batch_cpu_us_p50.
+receive_complete_cpu_us_p50, receive_complete_batch_cpu_us_p50 (8 together), and for 8 and 16
+together receive_open_batch{N}_cpu_us_p50, receive_prepare_batch{N}_cpu_us_p50,
+receive_complete_batch{N}_cpu_us_p50.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from protocols.engine import (
 
 CONTEXT = 4103  # a 4k-token context with a partial last page
 BLOCK = 64
-BATCH = 8  # the lifecycle benchmark's drain
+BATCHES = (8, 16)  # the lifecycle benchmark's drain: --quick, and without
 
 
 def _request(i: int, tokens: list[int]) -> PreprocessedRequest:
@@ -68,6 +71,40 @@ def _write(engine: MockEngine, pages: KvPages, tokens: list[int]) -> None:
         memory[block] = page_content(h, pages.block_bytes)
 
 
+async def _together(
+    engine: MockEngine,
+    rng: random.Random,
+    batch: int,
+    first: int,
+    out: dict[str, list[float]] | None,
+) -> None:
+    """``batch`` live migrations landing together, as a drain's: opened one after another
+    (their admissions), prepared in the step loop's one turn, completed in one call. Notes
+    the CPU per request of each stage in ``out``."""
+    requests = [
+        _request(first + j, [rng.randrange(256) for _ in range(CONTEXT)]) for j in range(batch)
+    ]
+    c0 = time.thread_time()
+    streams = [engine.generate(r) for r in requests]
+    targets = [await engine.wait_transfer_target(r.rid) for r in requests]
+    c1 = time.thread_time()
+    await anyio.lowlevel.checkpoint()  # the step loop's turn: their expected KV
+    c2 = time.thread_time()
+    for r, pages in zip(requests, targets, strict=True):
+        _write(engine, pages, r.token_ids)
+    c3 = time.thread_time()
+    verified = engine.complete_transfers([r.rid for r in requests])
+    c4 = time.thread_time()
+    if not all(verified.values()):
+        raise RuntimeError("the pages did not verify")
+    for stream in streams:
+        await stream.aclose()
+    if out is not None:
+        out[f"batch_open{batch}"].append((c1 - c0) / batch)
+        out[f"batch_prepare{batch}"].append((c2 - c1) / batch)
+        out[f"batch_cpu{batch}"].append((c4 - c3) / batch)
+
+
 async def measure(n: int) -> dict[str, list[float]]:
     config = MockEngineConfig(
         role="decode",
@@ -85,7 +122,7 @@ async def measure(n: int) -> dict[str, list[float]]:
         "prepare_cpu": [],
         "cpu": [],
         "wall": [],
-        "batch_cpu": [],
+        **{f"{k}{b}": [] for b in BATCHES for k in ("batch_open", "batch_prepare", "batch_cpu")},
     }
     async with MockEngine(config) as engine:
         for i in range(n + 10):
@@ -109,25 +146,11 @@ async def measure(n: int) -> dict[str, list[float]]:
                 out["prepare_cpu"].append(c1p - c1)
                 out["cpu"].append(c3 - c2)
                 out["wall"].append(w3 - w2)
-        for i in range(n // BATCH + 2):
-            requests = [
-                _request(n + 10 + i * BATCH + j, [rng.randrange(256) for _ in range(CONTEXT)])
-                for j in range(BATCH)
-            ]
-            streams = [engine.generate(r) for r in requests]
-            targets = [await engine.wait_transfer_target(r.rid) for r in requests]
-            await anyio.lowlevel.checkpoint()  # the step loop's turn: their expected KV
-            for r, pages in zip(requests, targets, strict=True):
-                _write(engine, pages, r.token_ids)
-            c0 = time.thread_time()
-            verified = engine.complete_transfers([r.rid for r in requests])
-            c1 = time.thread_time()
-            if not all(verified.values()):
-                raise RuntimeError("the pages did not verify")
-            for stream in streams:
-                await stream.aclose()
-            if i >= 2:  # warm-up
-                out["batch_cpu"].append((c1 - c0) / BATCH)
+        first = n + 10
+        for batch in BATCHES:
+            for i in range(n // batch + 2):
+                await _together(engine, rng, batch, first, out if i >= 2 else None)  # 2 warm-ups
+                first += batch
     return out
 
 
@@ -141,8 +164,16 @@ def main() -> None:
         "receive_open_cpu_us_p50": round(percentile(us["open_cpu"], 50), 1),
         "receive_prepare_cpu_us_p50": round(percentile(us["prepare_cpu"], 50), 1),
         "receive_complete_cpu_us_p50": round(percentile(us["cpu"], 50), 1),
-        "receive_complete_batch_cpu_us_p50": round(percentile(us["batch_cpu"], 50), 1),
+        "receive_complete_batch_cpu_us_p50": round(percentile(us["batch_cpu8"], 50), 1),
     }
+    for b in BATCHES:
+        for stage, key in (("open", "batch_open"), ("prepare", "batch_prepare")):
+            result[f"receive_{stage}_batch{b}_cpu_us_p50"] = round(
+                percentile(us[f"{key}{b}"], 50), 1
+            )
+        result[f"receive_complete_batch{b}_cpu_us_p50"] = round(
+            percentile(us[f"batch_cpu{b}"], 50), 1
+        )
     rows = [
         ("open, CPU (us, p50)", result["receive_open_cpu_us_p50"], "generate + admission"),
         ("open, wall (us, p50)", round(percentile(us["open_wall"], 50), 1), ""),
@@ -153,12 +184,25 @@ def main() -> None:
         ),
         ("complete, CPU (us, p50)", result["receive_complete_cpu_us_p50"], "verify + register"),
         ("complete, wall (us, p50)", round(percentile(us["wall"], 50), 1), ""),
-        (
-            f"complete {BATCH} together, CPU per request (us, p50)",
-            result["receive_complete_batch_cpu_us_p50"],
-            "one complete_transfers call",
-        ),
     ]
+    for b in BATCHES:
+        rows += [
+            (
+                f"{b} together: open, CPU/request (us, p50)",
+                result[f"receive_open_batch{b}_cpu_us_p50"],
+                "one after another",
+            ),
+            (
+                f"{b} together: prepare, CPU/request (us, p50)",
+                result[f"receive_prepare_batch{b}_cpu_us_p50"],
+                "one loop turn",
+            ),
+            (
+                f"{b} together: complete, CPU/request (us, p50)",
+                result[f"receive_complete_batch{b}_cpu_us_p50"],
+                "one complete_transfers call",
+            ),
+        ]
     report("Live migration, receiving engine, per request (4k context)", rows, result)
 
 

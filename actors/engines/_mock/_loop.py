@@ -215,7 +215,6 @@ class LoopMixin:
         last_yield = time.perf_counter()
         while True:
             self._wake_event = anyio.Event()
-            self.flush_events()  # what calls since the last turn left to it (after_change)
             if self._unprepared:
                 self.prepare_transfers()
             if self._deferred:
@@ -225,9 +224,11 @@ class LoopMixin:
             ready = not self.paused and not self.holds and self.memory_ready
             step = self._plan() if ready else None
             if step is None:
+                self.flush_events()  # what calls since the last turn left to it (after_change)
                 await self._idle()
                 continue
             if timing.instant:
+                self.flush_events()
                 self._commit(step)
                 if cfg.record_steps:
                     self._record(step, anyio.current_time())
@@ -257,8 +258,12 @@ class LoopMixin:
             end = start + step[2]
             self._step_done = anyio.Event()
             self.batch.frozen = True
+            # What calls since the last turn left to publish, while the step runs (as a real
+            # engine's CPU works while its GPU computes): the KV events of a drain's contexts
+            # landing together (all their tokens) need not delay the step they all join.
+            self.flush_events()
             try:
-                await anyio.sleep(max(0.0, end - now))
+                await anyio.sleep(max(0.0, end - anyio.current_time()))
             finally:
                 self._step_done.set()
                 self._step_done = None

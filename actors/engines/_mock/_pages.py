@@ -17,7 +17,7 @@ __all__ = ["expected_kv", "fill_pages", "hashes_upto", "write_partials"]
 def expected_kv(req: MockRequest, block_size: int, model: TokenModel) -> ExpectedKV:
     """What the KV of ``req``'s prompt must hold (a context may be 4k+ long: converted once,
     hashed page by page, then prefix-hashed as an array)."""
-    prompt = req.seq[: req.prompt_len]
+    prompt = req.request.token_ids  # what ``seq`` starts with, not a copy of it
     tokens = np.frombuffer(token_bytes(prompt), dtype=np.int64)
     hashes = prompt_page_hashes(tokens, block_size)
     return ExpectedKV(prompt, hashes, model.prefix_hash(tokens))
