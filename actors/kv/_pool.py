@@ -307,10 +307,11 @@ class KVPool:
     def alloc_exact(self, pages: PageArray | list[int]) -> PageAllocation:
         """Exactly these pages (each must be free), in this order: scattered layouts, tests."""
         arr = as_page_array(pages)
-        if arr.size == 0 or arr.min() < 0 or arr.max() >= self.num_pages:
+        ordered = np.sort(arr)
+        if arr.size == 0 or ordered[0] < 0 or ordered[-1] >= self.num_pages:
             raise ValueError("page index out of range")
         taken: list[tuple[int, int]] = []
-        for first, count in runs(np.sort(arr)):
+        for first, count in runs(ordered):
             if not self._extents.claim(first, count):
                 for f, c in taken:
                     self._extents.give(f, c)

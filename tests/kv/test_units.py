@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import anyio
 import msgspec
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ from actors.kv import (
     coalesce,
     page_checksums,
 )
+from actors.kv._alloc import runs
 from actors.kv._bootstrap import THREADS_ENV
 from actors.kv._nixl import SPLIT_BATCH, XferHandle, XferState
 from actors.kv._peer import pattern_pages
@@ -76,6 +78,26 @@ def test_pool_fragmented_allocation_uses_fewest_runs_and_exhaustion_is_typed() -
     for alloc in held:
         alloc.free()
     assert pool.statistics().pages_free == 16
+
+
+def test_runs_of_pages_in_any_order() -> None:
+    def pages(*ids: int) -> npt.NDArray[np.int64]:
+        return np.array(ids, dtype=np.int64)
+
+    assert runs(pages()) == []
+    assert runs(pages(7)) == [(7, 1)]
+    assert runs(pages(3, 4, 5, 6)) == [(3, 4)]
+    assert runs(pages(3, 4, 9, 10, 11, 2)) == [(3, 2), (9, 3), (2, 1)]  # in the given order
+    assert runs(pages(5, 4, 3)) == [(5, 1), (4, 1), (3, 1)]  # consecutive means ascending
+    assert runs(pages(1, 1, 2)) == [(1, 1), (1, 2)]  # a duplicate starts a run (claimed twice)
+    pool = KVPool.allocate(16, 8, device="cpu")
+    held = pool.alloc_exact([9, 3, 4, 10, 5])
+    with pytest.raises(KVPoolExhausted):
+        pool.alloc_exact([1, 5])
+    with pytest.raises(ValueError, match="out of range"):
+        pool.alloc_exact([2, 16])
+    held.free()
+    assert pool.statistics().pages_in_use == 0 and len(pool.alloc_exact([1, 5])) == 2
 
 
 def test_pool_adopts_numpy_torch_and_raw_buffers() -> None:
