@@ -20,7 +20,9 @@ one event-loop turn): CPU per request of each stage.
 A table first, then one JSON line: receive_open_cpu_us_p50, receive_prepare_cpu_us_p50,
 receive_complete_cpu_us_p50, receive_complete_batch_cpu_us_p50 (8 together), and for 8 and 16
 together receive_open_batch{N}_cpu_us_p50, receive_prepare_batch{N}_cpu_us_p50,
-receive_complete_batch{N}_cpu_us_p50.
+receive_complete_batch{N}_cpu_us_p50; then receive_first_outputs16_ms_p50: on an idle engine with
+the default timing model, from the call completing 16 contexts together to the last of their
+first outputs (what the receiving engine adds to a drain's token gap, its two steps included).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import anyio
 import anyio.lowlevel
 
 from actors.engines import (
+    EngineStream,
     KvPages,
     MockEngine,
     MockEngineConfig,
@@ -105,16 +108,57 @@ async def _together(
         out[f"batch_cpu{batch}"].append((c4 - c3) / batch)
 
 
-async def measure(n: int) -> dict[str, list[float]]:
-    config = MockEngineConfig(
+def _config(timing: TimingModel) -> MockEngineConfig:
+    return MockEngineConfig(
         role="decode",
         num_blocks=4096,
         block_size=BLOCK,
         kv_bytes_per_block=1024,
         context_length=16384,
         device="cpu",
-        timing=TimingModel(instant=True),
+        timing=timing,
     )
+
+
+async def first_outputs(rounds: int, batch: int = BATCHES[-1]) -> list[float]:
+    """On an idle engine with the default timing model: seconds from ``complete_transfers`` of
+    ``batch`` contexts landing together to the last of their first outputs (two decode steps:
+    a live migration's first token is held for the next), per round."""
+    rng = random.Random(11)
+    gaps: list[float] = []
+    async with MockEngine(_config(TimingModel())) as engine:
+        for i in range(rounds + 3):
+            requests = [
+                _request(i * batch + j, [rng.randrange(256) for _ in range(CONTEXT)])
+                for j in range(batch)
+            ]
+            streams = [engine.generate(r) for r in requests]
+            targets = [await engine.wait_transfer_target(r.rid) for r in requests]
+            await anyio.sleep(0.01)  # the step loop's turns: their expected KV
+            for r, pages in zip(requests, targets, strict=True):
+                _write(engine, pages, r.token_ids)
+            arrived: list[float] = []
+
+            async def first(stream: EngineStream, arrived: list[float]) -> None:
+                await stream.__anext__()
+                arrived.append(time.perf_counter())
+
+            t0 = time.perf_counter()
+            if not all(engine.complete_transfers([r.rid for r in requests]).values()):
+                raise RuntimeError("the pages did not verify")
+            async with anyio.create_task_group() as tg:
+                for stream in streams:
+                    tg.start_soon(first, stream, arrived)
+            for stream in streams:
+                await stream.aclose()
+            if i >= 3:  # warm-up
+                gaps.append(max(arrived) - t0)
+            await anyio.sleep(0.02)  # idle again
+    return gaps
+
+
+async def measure(n: int) -> dict[str, list[float]]:
+    config = _config(TimingModel(instant=True))
     rng = random.Random(7)
     out: dict[str, list[float]] = {
         "open_cpu": [],
@@ -159,6 +203,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few seconds")
     args = parser.parse_args()
     got = anyio.run(measure, 100 if args.quick else 400)
+    got["first_outputs"] = anyio.run(first_outputs, 15 if args.quick else 40)
     us = {k: [x * 1e6 for x in v] for k, v in got.items()}
     result = {
         "receive_open_cpu_us_p50": round(percentile(us["open_cpu"], 50), 1),
@@ -203,6 +248,16 @@ def main() -> None:
                 "one complete_transfers call",
             ),
         ]
+    result["receive_first_outputs16_ms_p50"] = round(
+        percentile([x * 1e3 for x in got["first_outputs"]], 50), 2
+    )
+    rows.append(
+        (
+            f"{BATCHES[-1]} together, timed: complete -> first outputs (ms, p50)",
+            result["receive_first_outputs16_ms_p50"],
+            "two decode steps",
+        )
+    )
     report("Live migration, receiving engine, per request (4k context)", rows, result)
 
 
