@@ -109,6 +109,8 @@ def test_tensor_pages_are_written_and_verified_in_one_pass() -> None:
         assert tensor._buf is not None
         tensor._buf.host, tensor._pages = None, None
         tensor._buf.tensor = torch.zeros(16 * 256, dtype=torch.uint8)
+        tensor.warm_device()  # what allocate() does on a GPU: it leaves every byte as it was
+    assert not tensor.buffer().any()
     hashes = prompt_page_hashes(list(range(100)), 16)  # 7 pages, the last one partial
     blocks = [9, 2, 15, 4, 0, 11, 6]
     for memory in (host, tensor):

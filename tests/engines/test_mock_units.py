@@ -45,6 +45,18 @@ def test_rolling_hash_matches_the_whole_prefix_hash(tokens: list[int]) -> None:
     assert int(arr[0]) == h
 
 
+def test_prefix_hash_of_long_sequences_matches_the_rolling_hash() -> None:
+    # Its powers table grows by doubling (a running uint64 product): check past several growths.
+    model = TokenModel(1000, 2, 0.1)
+    tokens = [(i * 7919) % 1000 for i in range(5000)]
+    h = model.prefix_hash(tokens[:1])
+    for n, t in enumerate(tokens[1:], start=2):
+        h = model.extend(h, t)
+        if n in (2, 3, 1023, 1024, 1025, 4097, 5000):
+            assert model.prefix_hash(tokens[:n]) == h
+            assert model.prefix_hash(np.array(tokens[:n], dtype=np.int64)) == h
+
+
 def test_next_tokens_are_in_the_vocabulary_and_skip_eos() -> None:
     model = TokenModel(50, 7, 0.25)
     hs = np.array([model.prefix_hash([i, i + 1]) for i in range(20_000)], dtype=np.uint64)

@@ -97,13 +97,12 @@ class TokenModel:
     def _powers(self, n: int) -> U64Array:
         if len(self._pows) <= n:
             size = max(n + 1, 2 * len(self._pows))
-            # P**k mod 2**64 with Python ints (exact), converted once.
-            pows = [1] * size
-            acc = 1
-            for k in range(1, size):
-                acc = (acc * _P) & _MASK
-                pows[k] = acc
-            self._pows = np.array(pows, dtype=np.uint64)
+            # P**k mod 2**64: uint64 products wrap modulo 2**64, so a running product is exact
+            # (a Python-int loop took milliseconds on an engine's event loop when a live
+            # migration's context was longer than any before).
+            pows = np.full(size, _P_U, dtype=np.uint64)
+            pows[0] = 1
+            self._pows = np.cumprod(pows, out=pows)
         return self._pows
 
     def prefix_hash(self, tokens: Sequence[int] | npt.NDArray[np.int64]) -> int:
