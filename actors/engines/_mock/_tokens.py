@@ -84,6 +84,7 @@ class TokenModel:
         self._eos_threshold = np.uint64(round(eos_rate * (1 << _EOS_BITS)))
         self.emits_eos = eos_rate > 0.0
         self._pows: U64Array = np.ones(1, dtype=np.uint64)
+        self._pow_sums = [0]  # [k]: P**0 + ... + P**(k-1) mod 2**64
 
     # -- seeds ------------------------------------------------------------------------------
 
@@ -97,13 +98,17 @@ class TokenModel:
     def _powers(self, n: int) -> U64Array:
         if len(self._pows) <= n:
             size = max(n + 1, 2 * len(self._pows))
-            # P**k mod 2**64 with Python ints (exact), converted once.
+            # P**k mod 2**64 with Python ints (exact), converted once; and their running sums.
             pows = [1] * size
+            sums = [0] * (size + 1)
             acc = 1
             for k in range(1, size):
+                sums[k] = (sums[k - 1] + acc) & _MASK
                 acc = (acc * _P) & _MASK
                 pows[k] = acc
+            sums[size] = (sums[size - 1] + acc) & _MASK
             self._pows = np.array(pows, dtype=np.uint64)
+            self._pow_sums = sums
         return self._pows
 
     def prefix_hash(self, tokens: Sequence[int] | npt.NDArray[np.int64]) -> int:
@@ -114,12 +119,13 @@ class TokenModel:
         if n == 0:
             return head
         if isinstance(tokens, np.ndarray):
-            arr = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+            arr = np.asarray(tokens, dtype=np.int64).view(np.uint64)  # the same bits mod 2**64
         else:
-            arr = np.frombuffer(token_bytes(tokens), dtype=np.uint64).copy()
-        arr += _K_U
-        arr *= pows[n - 1 :: -1]
-        return (head + int(arr.sum(dtype=np.uint64))) & _MASK
+            arr = np.frombuffer(token_bytes(tokens), dtype=np.uint64)
+        # sum((t_i + K) * P**(n-i)) as one dot product (wrapping mod 2**64, no temporaries)
+        # plus K times the cached sum of those powers: a live migration's receiver hashes 4k+.
+        dot = int(np.dot(arr, pows[n - 1 :: -1]))
+        return (head + dot + _K * self._pow_sums[n]) & _MASK
 
     @staticmethod
     def extend(h: int, token: int) -> int:
