@@ -4,8 +4,9 @@ One contiguous buffer per data-parallel rank, ``num_blocks * block_bytes`` bytes
 an anonymous ``mmap`` (so a release really returns the pages to the OS and the RSS drops), or a
 torch CUDA tensor when a GPU is present. Block ``b`` lives at byte offset ``b * block_bytes``.
 
-A page's *hash* is SGLang-style chained: ``page_hash(parent, tokens)`` over the parent page's hash
-and this page's tokens, so it stands for the whole prefix up to the page's end (position included).
+A page's *hash* is SGLang-style chained: ``page_hash(parent, tokens)`` is xxh3-64 (as Dynamo's KV
+router hashes blocks) of this page's tokens seeded with the parent page's hash, so it stands for
+the whole prefix up to the page's end (position included).
 A page's content is derived from that hash alone: 64-byte rows, row ``r`` word ``k`` =
 ``mix(hash + (k+1)*G) XOR mix(r*G + 1)`` (``mix``: splitmix64's finaliser, ``G`` the golden
 ratio constant), cheap to write and to verify for many pages at once (a few numpy passes). The
@@ -15,19 +16,17 @@ prompt can be verified page by page.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import mmap
 import os
-import struct
 import sys
-from array import array
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from actors.engines._mock._tokens import U64Array, mix64, mix_in_place, token_bytes
 
@@ -52,15 +51,15 @@ _NVIDIA_PATHS = (
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 _LANES = np.arange(1, _ROW_WORDS + 1, dtype=np.uint64) * np.uint64(_GOLDEN)  # word k: (k+1)*G
-_blank = hashlib.blake2b(digest_size=8)  # copied for every page hash
+_INT64_MAX = (1 << 63) - 1
 
 
 def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """The chained hash of one page: a signed 64-bit int (SGLang's ``hash_str_to_int64`` range)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(b"\x00" * 9 if parent is None else b"\x01" + (parent & _MASK).to_bytes(8, "little"))
-    h.update(array("q", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
+    """The chained hash of one page: a signed 64-bit int (SGLang's ``hash_str_to_int64`` range),
+    xxh3-64 of the tokens' int64 bytes seeded with the parent's hash (0 for the first page)."""
+    seed = 0 if parent is None else parent & _MASK
+    h = xxhash.xxh3_64_intdigest(token_bytes(tokens), seed)
+    return h - (1 << 64) if h > _INT64_MAX else h
 
 
 def prompt_page_hashes(
@@ -77,18 +76,13 @@ def prompt_page_hashes(
     else:
         data = memoryview(token_bytes(tokens))[:end]
     step = block_size * 8
-    digests: list[bytes] = []
-    head = b"\x00" * 9  # page_hash's encoding of the parent: none, then each page's digest
+    digest = xxhash.xxh3_64_intdigest
+    seeds: list[int] = []  # unsigned: each page's hash seeds the next one's
+    seed = 0
     for start in range(0, end, step):
-        # A copy of a fresh hasher, fed the head and a slice of the tokens' memory, costs
-        # less than a new hasher over a concatenation of both (64 pages per 4k context).
-        h = _blank.copy()
-        h.update(head)
-        h.update(data[start : start + step])
-        digest = h.digest()
-        digests.append(digest)
-        head = b"\x01" + digest
-    return list(struct.unpack(f"<{len(digests)}q", b"".join(digests)))
+        seed = digest(data[start : start + step], seed)
+        seeds.append(seed)
+    return [h - (1 << 64) if h > _INT64_MAX else h for h in seeds]
 
 
 def _row_words(block_bytes: int) -> U64Array:

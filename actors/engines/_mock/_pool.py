@@ -160,7 +160,7 @@ class BlockPool:
         return True
 
     def register_pages(
-        self, blocks: Sequence[int], hashes: Sequence[int], tokens: Sequence[int]
+        self, blocks: Sequence[int], hashes: Sequence[int], tokens: list[int]
     ) -> None:
         """:meth:`register` for a whole chain: ``blocks[i]`` holds page ``i`` (tokens
         ``[i*bs, (i+1)*bs)``) of hash ``hashes[i]``; one ``BlockStored`` per run of pages not
@@ -176,16 +176,14 @@ class BlockPool:
             block_hash[block] = hash_
         self._store_run(hashes, tokens, run, len(blocks))
 
-    def _store_run(
-        self, hashes: Sequence[int], tokens: Sequence[int], first: int, end: int
-    ) -> None:
+    def _store_run(self, hashes: Sequence[int], tokens: list[int], first: int, end: int) -> None:
         if first < end:
             bs = self.block_size
             self._record(
                 BlockStored(
                     block_hashes=list(hashes[first:end]),
                     parent_block_hash=hashes[first - 1] if first else None,
-                    token_ids=list(tokens[first * bs : end * bs]),
+                    token_ids=tokens[first * bs : end * bs],  # a list's slice: a new list
                     block_size=bs,
                     lora_id=None,
                     medium=_MEDIUM,

@@ -84,6 +84,7 @@ class TokenModel:
         self._eos_threshold = np.uint64(round(eos_rate * (1 << _EOS_BITS)))
         self.emits_eos = eos_rate > 0.0
         self._pows: U64Array = np.ones(1, dtype=np.uint64)
+        self._pow_sums: U64Array = np.array([0, 1], dtype=np.uint64)  # [k]: sum of P**0..P**(k-1)
 
     # -- seeds ------------------------------------------------------------------------------
 
@@ -97,12 +98,15 @@ class TokenModel:
     def _powers(self, n: int) -> U64Array:
         if len(self._pows) <= n:
             size = max(n + 1, 2 * len(self._pows))
-            # P**k mod 2**64: uint64 products wrap modulo 2**64, so a running product is exact
-            # (a Python-int loop took milliseconds on an engine's event loop when a live
-            # migration's context was longer than any before).
+            # P**k mod 2**64 and their running sums: uint64 products and sums wrap modulo
+            # 2**64, so both are exact (a Python-int loop took milliseconds on an engine's
+            # event loop when a live migration's context was longer than any before).
             pows = np.full(size, _P_U, dtype=np.uint64)
             pows[0] = 1
             self._pows = np.cumprod(pows, out=pows)
+            sums = np.zeros(size + 1, dtype=np.uint64)
+            np.cumsum(pows, out=sums[1:])
+            self._pow_sums = sums
         return self._pows
 
     def prefix_hash(self, tokens: Sequence[int] | npt.NDArray[np.int64]) -> int:
@@ -113,12 +117,13 @@ class TokenModel:
         if n == 0:
             return head
         if isinstance(tokens, np.ndarray):
-            arr = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+            arr = np.asarray(tokens, dtype=np.int64).view(np.uint64)  # the same bits mod 2**64
         else:
-            arr = np.frombuffer(token_bytes(tokens), dtype=np.uint64).copy()
-        arr += _K_U
-        arr *= pows[n - 1 :: -1]
-        return (head + int(arr.sum(dtype=np.uint64))) & _MASK
+            arr = np.frombuffer(token_bytes(tokens), dtype=np.uint64)
+        # sum((t_i + K) * P**(n-i)) as one dot product (wrapping mod 2**64, no temporaries)
+        # plus K times the cached sum of those powers: a live migration's receiver hashes 4k+.
+        dot = int(np.dot(arr, pows[n - 1 :: -1]))
+        return (head + dot + _K * int(self._pow_sums[n])) & _MASK
 
     @staticmethod
     def extend(h: int, token: int) -> int:
