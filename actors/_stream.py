@@ -110,9 +110,8 @@ class StreamChannel:
         # Timed, in this coroutine (not one more per wait: a stream's consumer waits once per
         # item). No timer per call: the event loop's deadline sweep (the one ask timeouts use)
         # wakes the consumer if nothing came in time, up to two ticks late. Nor an entry in the
-        # sweep per wait: the channel's one watch notes this wait's deadline (what begin()
-        # would do, inlined: the per-item path), and files itself only if none of its entries
-        # is due by then.
+        # sweep per wait: the channel's one watch notes this wait's deadline, and files itself
+        # only if none of its entries is due by then (one clock read per wait instead).
         watch = self._watch
         if watch is None:
             watch = self._watch = _Watch(self._consumer, self._backend.deadlines)
