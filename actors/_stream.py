@@ -8,6 +8,7 @@ with its terminal item or a typed error, never silently.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from types import TracebackType
@@ -20,6 +21,8 @@ from actors._errors import StreamCancelled
 
 if TYPE_CHECKING:
     import anyio
+
+    from actors._timeouts import Deadlines
 
 __all__ = ["ReplyStream", "StreamChannel", "StreamHooks"]
 
@@ -42,6 +45,7 @@ class StreamChannel:
         "_buffer",
         "_consumer",
         "_producer",
+        "_watch",
         "cancelled",
         "capacity",
         "error",
@@ -61,6 +65,7 @@ class StreamChannel:
         self.error: BaseException | None = None
         self.producer_scope: anyio.CancelScope | None = None
         self.hooks: StreamHooks | None = None
+        self._watch: _Watch | None = None  # made by the first timed receive
 
     # -- producer side --------------------------------------------------------------------
 
@@ -104,19 +109,28 @@ class StreamChannel:
             return self._take()
         # Timed, in this coroutine (not one more per wait: a stream's consumer waits once per
         # item). No timer per call: the event loop's deadline sweep (the one ask timeouts use)
-        # wakes the consumer if nothing came in time, up to two ticks late.
-        consumer = self._consumer
-        expiry = _Expiry(consumer)
-        self._backend.deadlines.add(timeout, expiry)
+        # wakes the consumer if nothing came in time, up to two ticks late. Nor an entry in the
+        # sweep per wait: the channel's one watch notes this wait's deadline, and files itself
+        # only if none of its entries is due by then (one clock read per wait instead).
+        watch = self._watch
+        if watch is None:
+            watch = self._watch = _Watch(self._consumer, self._backend.deadlines)
+        deadlines = watch.deadlines
+        watch.deadline = deadline = deadlines.now() + timeout
+        watch.expired = False
+        watch.waiting = True
+        if deadline < watch.filed:
+            watch.filed = deadline
+            deadlines.add(timeout, watch)
         try:
             while not buffer:
                 if self.finished:
                     self._raise_end()
-                if expiry.expired:
+                if watch.expired:
                     raise TimeoutError(f"no reply within {timeout} s")
-                await consumer.park()
+                await self._consumer.park()
         finally:
-            expiry.done = True
+            watch.waiting = False
         return self._take()
 
     def _raise_end(self) -> None:
@@ -154,19 +168,40 @@ class StreamChannel:
             self.hooks.cancelled()
 
 
-class _Expiry:
-    """A timed receive's entry in the deadline sweep (see ``actors._timeouts``)."""
+class _Watch:
+    """A channel's timed receives in the deadline sweep (see ``actors._timeouts``): one per
+    channel, not one entry per receive. A receive notes its deadline; an entry that comes due
+    before it files the watch again for the rest, so a receive still times out at most two
+    ticks late. Between receives the sweep drops the watch's entries, as it drops a finished
+    ask's."""
 
-    __slots__ = ("_consumer", "done", "expired")
+    __slots__ = ("_consumer", "deadline", "deadlines", "expired", "filed", "waiting")
 
-    def __init__(self, consumer: Parking) -> None:
+    def __init__(self, consumer: Parking, deadlines: Deadlines) -> None:
         self._consumer = consumer
-        self.done = False
-        self.expired = False
+        self.deadlines = deadlines
+        self.deadline = 0.0  # the current (or last) timed receive's, on the sweep's clock
+        self.filed = math.inf  # the deadline of the entry last filed, while it is pending
+        self.waiting = False  # a timed receive waits
+        self.expired = False  # the current timed receive timed out
+
+    @property
+    def done(self) -> bool:
+        """Read by the sweep, which drops an entry found done: no receive waits then."""
+        if self.waiting:
+            return False
+        self.filed = math.inf  # the next receive files the watch afresh
+        return True
 
     def expire(self) -> None:
-        if not self.done:
-            self.expired = self.done = True
+        """An entry came due, while a receive waits."""
+        left = self.deadline - self.deadlines.now()
+        if left > 0:
+            self.filed = self.deadline
+            self.deadlines.add(left, self)
+        else:
+            self.filed = math.inf
+            self.expired = True
             self._consumer.unpark()
 
 

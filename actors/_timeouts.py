@@ -35,7 +35,7 @@ class Deadlines:
     def __init__(
         self, now: Callable[[], float], arm: Callable[[], None], coarse: Deadlines | None = None
     ) -> None:
-        self._now = now
+        self.now = now  # the clock deadlines are counted on
         self._arm = arm
         self._coarse = coarse  # where long timeouts go (see the module docstring)
         self._noted: list[tuple[float, Any]] = []  # (timeout, reply) since the last sweep
@@ -54,7 +54,7 @@ class Deadlines:
 
     def sweep(self) -> bool:
         """Expire what is due; ``True`` while anything is still pending."""
-        now = self._now()
+        now = self.now()
         noted, self._noted = self._noted, []
         queues = self._queues
         for timeout, reply in noted:
@@ -86,6 +86,8 @@ class Deadlines:
         for timeout in emptied:
             # Timeouts computed from a deadline take many values: keep no queue per value.
             del queues[timeout]
+        # What an expire() noted meanwhile (a stream's watch files itself again) is pending too.
+        pending = pending or bool(self._noted)
         self.armed = pending
         return pending
 

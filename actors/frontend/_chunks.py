@@ -135,9 +135,6 @@ class Renderer(abc.ABC):
         # then encodes only its text, with the same bytes as encoding the whole chunk.
         self._head, _, self._tail = self._frame_of(_MARK).rpartition(_ENCODED_MARK)
 
-    def _text_frame(self, text: str) -> bytes:
-        return self._head + _encode(text) + self._tail
-
     @abc.abstractmethod
     def _frame_of(self, text: str) -> bytes:
         """The frame of a delta with (non-empty) ``text`` and no finish reason."""
@@ -173,7 +170,7 @@ class ChatRenderer(Renderer):
 
     def delta(self, text: str, finish_reason: str | None = None) -> bytes:
         if text and finish_reason is None:
-            return self._text_frame(text)
+            return self._head + _encode(text) + self._tail  # the usual delta (see __init__)
         delta = _ChatDelta(content=text) if text else _ChatDelta()
         return self._chunk(_ChatChunkChoice(0, delta, None, finish_reason))
 
@@ -216,7 +213,7 @@ class CompletionRenderer(Renderer):
 
     def delta(self, text: str, finish_reason: str | None = None) -> bytes:
         if finish_reason is None:
-            return self._text_frame(text)
+            return self._head + _encode(text) + self._tail  # the usual delta (see __init__)
         return self._frame_of(text, finish_reason)
 
     def _frame_of(self, text: str, finish_reason: str | None = None) -> bytes:

@@ -418,6 +418,12 @@ class Link:
         if self._reader is None and self._standby is not None:
             self.drain()
 
+    @property
+    def may_stand_by(self) -> bool:
+        """Whether what arrives may wait unread for :meth:`drain_unread` (trio; on asyncio the
+        loop's reader callback handles every message as it comes)."""
+        return self._standby is not None
+
     def close(self, linger: float = 0) -> None:
         """Close the sockets; ``linger`` seconds let queued messages (a last EXIT) go out."""
         if not self.closed:

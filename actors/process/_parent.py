@@ -354,7 +354,12 @@ class ProcessActor(Actor):
     async def _watch_heartbeat(self) -> None:
         opts = self.options
         while True:
-            await anyio.sleep(opts.heartbeat_interval)
+            wait = opts.heartbeat_interval
+            if not self.wire.may_stand_by:
+                # Nothing to drain: check once the timeout could have run out, not at every
+                # interval (a serving root's checks were a fifth of its wake-ups while idle).
+                wait = max(wait, self._last_seen + opts.heartbeat_timeout - time.monotonic())
+            await anyio.sleep(wait)
             self.wire.drain_unread()  # heartbeats nobody read (no call waited)
             if time.monotonic() - self._last_seen > opts.heartbeat_timeout and self._alive():
                 self._kill_cause = f"no heartbeat for {opts.heartbeat_timeout} s"

@@ -12,6 +12,8 @@ import anyio.lowlevel
 import pytest
 
 from actors import Actor, ActorCrashed, ActorNotRunning, ReplyError
+from actors._backend import backend
+from actors._stream import StreamChannel
 from supervisors import ChildSpec, Restart, SupervisorFlags, open_supervisor
 from tests.helpers.supervision import Boom, Refused, crash, wait_until
 
@@ -118,6 +120,33 @@ async def test_timed_receive_times_out_and_the_stream_goes_on() -> None:
             assert [await replies.receive(0.05) for _ in range(2)] == [0, 1]
             with pytest.raises(StopAsyncIteration):
                 await replies.receive(0.05)  # the end, not a timeout
+
+
+async def test_timed_receives_of_one_channel_each_count_from_their_own_start() -> None:
+    # The channel's timed receives share one entry in the deadline sweep: one that came due for
+    # an earlier receive must not end a later one, nor a pending long one delay a short one.
+    channel = StreamChannel(backend(), 8)
+
+    async def produce() -> None:
+        for i in range(30):
+            await anyio.sleep(0.02)
+            channel.push_many([i])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(produce)
+        # 0.6 s in all, past the deadline the first receive filed.
+        assert [await channel.receive(0.3) for _ in range(30)] == list(range(30))
+    with anyio.move_on_after(0.05):
+        await channel.receive(60.0)  # its entry stays filed
+    with anyio.fail_after(10), pytest.raises(TimeoutError):
+        await channel.receive(0.05)
+    with anyio.fail_after(10), pytest.raises(TimeoutError):
+        await channel.receive(0.05)  # a second deadline of the same length
+    channel.push_many(["late"])
+    assert await channel.receive(0.05) == "late"
+    channel.finish()
+    with pytest.raises(StopAsyncIteration):
+        await channel.receive(0.05)
 
 
 async def test_slow_consumer_bounds_the_producer_lead() -> None:

@@ -40,3 +40,27 @@ def test_answered_long_timeouts_are_dropped() -> None:
     reply.done = True  # answered before the sweep
     assert not coarse.sweep()
     assert not reply.expired
+
+
+def test_a_deadline_filed_while_sweeping_keeps_the_sweep_going() -> None:
+    # A stream's watch files itself again from its expire(), during the sweep.
+    now = [0.0]
+    armed: list[str] = []
+    sweep = Deadlines(lambda: now[0], lambda: armed.append("armed"))
+    later = _Reply()
+
+    class FilesAgain(_Reply):
+        def expire(self) -> None:
+            super().expire()
+            sweep.add(1.0, later)
+
+    sweep.add(1.0, FilesAgain())
+    assert sweep.sweep()
+    now[0] = 1.0
+    assert sweep.sweep()  # nothing filed is left, but `later` was noted meanwhile
+    assert sweep.armed and armed == ["armed"]
+    now[0] = 2.0
+    assert sweep.sweep() and not later.expired
+    now[0] = 3.0
+    assert not sweep.sweep()
+    assert later.expired
