@@ -90,7 +90,7 @@ def _row_words(block_bytes: int) -> U64Array:
     return np.array([mix64(r * _GOLDEN + 1) for r in range(rows)], dtype=np.uint64)
 
 
-def _base_words(hashes: Sequence[int]) -> U64Array:
+def _base_words(hashes: Sequence[int] | npt.NDArray[np.int64]) -> U64Array:
     """``(n, 8)``: the words every row of page ``i`` XORs with its row mask, for all the pages
     at once (a received context is verified, a prefill chunk written, in a few numpy passes)."""
     words = np.array(hashes, dtype=np.int64).view(np.uint64)[:, None] + _LANES
@@ -211,6 +211,11 @@ class KvPageMemory:
             np.broadcast_to(self._rows[:, None], (self._rows.size, _ROW_WORDS))
         )
         self._pages: U64Array | None = None  # (num_blocks, rows, 8) view of host memory
+        # The gather's output, reused: a fresh one per verification is a fresh large allocation
+        # (mmap'd), whose every page faults on first touch, for every drain's batch. On a device:
+        # the gathered blocks there, and their host copy (pinned, as a CUDA copy wants it).
+        self._scratch: U64Array = np.empty((0, self._rows.size, _ROW_WORDS), dtype=np.uint64)
+        self._scratch_tensors: tuple[Any, Any] | None = None  # (device, host) torch tensors
 
     @property
     def allocated(self) -> bool:
@@ -233,12 +238,14 @@ class KvPageMemory:
         it on the receiving engine's event loop (measured on an H100)."""
         blocks = self.buffer()
         torch = importlib.import_module("torch")
-        self._gather([0])
+        self._gather(np.zeros(1, dtype=np.int64))
         index = torch.zeros(1, dtype=torch.int64, device=blocks.device)
         blocks.index_copy_(0, index, blocks.index_select(0, index))
 
     def free(self) -> None:
         self._pages = None
+        self._scratch = self._scratch[:0].copy()
+        self._scratch_tensors = None
         if self._buf is not None:
             self._buf.free()
             self._buf = None
@@ -308,7 +315,11 @@ class KvPageMemory:
             return bool(np.array_equal(self._pages[block_id], self._expected([hash_])[0]))
         return bool(np.array_equal(self.read(block_id), page_content(hash_, self.block_bytes)))
 
-    def bad_pages(self, block_ids: Sequence[int], hashes: Sequence[int]) -> list[int]:
+    def bad_pages(
+        self,
+        block_ids: Sequence[int] | npt.NDArray[np.int64],
+        hashes: Sequence[int] | npt.NDArray[np.int64],
+    ) -> list[int]:
         """Indices ``i`` whose block ``block_ids[i]`` does not hold the page ``hashes[i]``.
 
         One vectorised comparison for all the pages, whatever their number (on a device, after
@@ -319,7 +330,7 @@ class KvPageMemory:
         if not n:
             return []
         base = _base_words(hashes)[:, None, :]
-        got = self._gather(block_ids[:n])  # a copy: XORed in place
+        got = self._gather(np.array(block_ids[:n], dtype=np.int64))  # a copy: XORed in place
         # Zero where a page holds its expected content. Few numpy calls on the path where all
         # pages verify: each costs far more than its bytes on a busy engine's event loop.
         got ^= self._row_tile
@@ -328,15 +339,33 @@ class KvPageMemory:
             return []
         return [int(i) for i in np.flatnonzero(got.reshape(n, -1).any(axis=1))]
 
-    def _gather(self, block_ids: Sequence[int]) -> U64Array:
-        """A host copy of the blocks ``block_ids``, ``(n, rows, 8)``."""
+    def _gather(self, block_ids: npt.NDArray[np.int64]) -> U64Array:
+        """A host copy of the blocks ``block_ids``, ``(n, rows, 8)``: valid until the next
+        call (it is the reused scratch)."""
+        n = block_ids.size
         if self._pages is not None:
-            return self._pages.take(block_ids, axis=0)
+            if self._scratch.shape[0] < n:
+                size = max(n, 2 * self._scratch.shape[0])
+                self._scratch = np.empty((size, *self._scratch.shape[1:]), dtype=np.uint64)
+            out = self._scratch[:n]
+            # "clip": with ``out``, numpy's default ("raise") copies through a temporary. The
+            # ids are the engine's own blocks; one out of range would read the last block,
+            # which fails the verification, never passes it.
+            return self._pages.take(block_ids, axis=0, out=out, mode="clip")
         blocks = self.buffer()
         torch = importlib.import_module("torch")
-        index = torch.tensor(list(block_ids), dtype=torch.int64, device=blocks.device)
-        host: npt.NDArray[np.uint8] = blocks.index_select(0, index).cpu().numpy()
-        return host.view(np.uint64).reshape(len(block_ids), self._rows.size, _ROW_WORDS)
+        scratch = self._scratch_tensors
+        if scratch is None or scratch[1].shape[0] < n:
+            shape = (max(n, 2 * scratch[1].shape[0] if scratch else 0), self.block_bytes)
+            on_device = torch.empty(shape, dtype=torch.uint8, device=blocks.device)
+            host = torch.empty(shape, dtype=torch.uint8, pin_memory=blocks.is_cuda)
+            scratch = self._scratch_tensors = (on_device, host)
+        index = torch.from_numpy(block_ids).to(blocks.device)
+        on_device, host = scratch[0][:n], scratch[1][:n]
+        torch.index_select(blocks, 0, index, out=on_device)
+        host.copy_(on_device)  # synchronous: the host copy is complete on return
+        pages: npt.NDArray[np.uint8] = host.numpy()
+        return pages.view(np.uint64).reshape(n, self._rows.size, _ROW_WORDS)
 
     def checksum(self, block_id: int) -> int:
         """The same checksum as :func:`page_checksum`, over what the block holds now."""

@@ -36,8 +36,10 @@ request, admitted at once or failed (``KVTransferError``), never queued.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import msgspec
+import numpy as np
 
 from actors.engines._mock._kvmem import KvPageMemory
 from actors.engines._mock._pages import expected_kv
@@ -128,9 +130,14 @@ class TransferMixin:
                 continue
             bs = sched.cfg.block_size
             expected = [r.expected or expected_kv(r, bs, self._tokens) for r in mine]
+            total = sum(len(e.hashes) for e in expected)
+            # Straight into arrays (the pass takes them): no list of every page on the way.
             pages = zip(mine, expected, strict=True)
-            blocks = [b for r, e in pages for b in r.blocks[: len(e.hashes)]]
-            bad = memory.bad_pages(blocks, [h for e in expected for h in e.hashes])
+            blocks = np.fromiter(
+                chain.from_iterable(r.blocks[: len(e.hashes)] for r, e in pages), np.int64, total
+            )
+            hashes = np.fromiter(chain.from_iterable(e.hashes for e in expected), np.int64, total)
+            bad = memory.bad_pages(blocks, hashes)
             start = 0  # the first of this request's pages in the pass
             for req, exp in zip(mine, expected, strict=True):
                 n = len(exp.hashes)
