@@ -103,7 +103,12 @@ def runs(pages: PageArray) -> list[tuple[int, int]]:
         return []
     # Index lists, not arrays, past the one numpy pass: a request's pages are usually one run
     # or a few, and a dozen small numpy calls cost more than the pass (a live migration's
-    # receiver claims and frees a context's pages for every request of a drain).
-    starts = [0, *(np.flatnonzero(np.diff(pages) != 1) + 1).tolist()]
+    # receiver claims and frees a context's pages for every request of a drain). The
+    # subtraction and ``nonzero`` themselves: ``np.diff`` and ``np.flatnonzero`` are Python
+    # wrappers costing more than their work here.
+    breaks = (pages[1:] - pages[:-1] != 1).nonzero()[0]
+    if not breaks.size:
+        return [(int(pages[0]), n)]
+    starts = [0, *(breaks + 1).tolist()]
     ends = [*starts[1:], n]
     return [(int(pages[a]), b - a) for a, b in zip(starts, ends, strict=True)]

@@ -63,12 +63,15 @@ def as_page_array(pages: PageAllocation | PageArray | list[int] | tuple[int, ...
 class PageAllocation:
     """Pages held from a pool until :meth:`free` (idempotent; also on context exit)."""
 
-    __slots__ = ("_freed", "pages", "pool")
+    __slots__ = ("_freed", "_runs", "pages", "pool")
 
-    def __init__(self, pool: KVPool, pages: PageArray) -> None:
+    def __init__(
+        self, pool: KVPool, pages: PageArray, runs: list[tuple[int, int]] | None = None
+    ) -> None:
         self.pool = pool
         pages.setflags(write=False)
         self.pages: PageArray = pages
+        self._runs = runs  # the pages as sorted runs, if the allocation worked them out
         self._freed = False
 
     def __len__(self) -> int:
@@ -317,16 +320,17 @@ class KVPool:
                     self._extents.give(f, c)
                 raise KVPoolExhausted(f"pages {first}..{first + count - 1} are not all free")
             taken.append((first, count))
-        return self._track(arr.copy())
+        return self._track(arr.copy(), taken)  # its runs, for its release
 
-    def _track(self, pages: PageArray) -> PageAllocation:
-        alloc = PageAllocation(self, pages)
+    def _track(self, pages: PageArray, runs: list[tuple[int, int]] | None = None) -> PageAllocation:
+        alloc = PageAllocation(self, pages, runs)
         self._live.add(alloc)
         return alloc
 
     def _release(self, alloc: PageAllocation) -> None:
         self._live.discard(alloc)
-        for first, count in runs(np.sort(alloc.pages)):
+        taken = alloc._runs
+        for first, count in runs(np.sort(alloc.pages)) if taken is None else taken:
             self._extents.give(first, count)
 
     def free(self, alloc: PageAllocation) -> None:
