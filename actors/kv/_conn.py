@@ -120,9 +120,10 @@ class PrefillConnection:
 
     async def wait_ready(self, timeout: float) -> None:
         """Wait for ``Welcome``; :class:`KVTransferError` if rejected or silent."""
-        with anyio.move_on_after(timeout):
-            while self.welcome is None and self.rejected is None:
-                await self._changed.wait()
+        if self.welcome is None and self.rejected is None:  # else no timer: every receive asks
+            with anyio.move_on_after(timeout):
+                while self.welcome is None and self.rejected is None:
+                    await self._changed.wait()
         if self.rejected is not None:
             raise KVTransferError(f"prefill at {self.endpoint} rejected us: {self.rejected}")
         if self.welcome is None:

@@ -100,7 +100,7 @@ class DecodeKV:
         self._tg: anyio.abc.TaskGroup | None = None
         self._hello: Hello | None = None
         self._poke: anyio.Event | None = None
-        self._changed: anyio.Event | None = None
+        self._changed: anyio.Event | None = None  # made by a waiter: every room changes it
         self._stats = dict.fromkeys(
             ("done", "failed", "corrupted", "bytes", "stray", "lazy", "prewarm_failed", "restarts"),
             0,
@@ -116,7 +116,6 @@ class DecodeKV:
             memory=self.pool.memory_desc(),
         )
         self._poke = anyio.Event()
-        self._changed = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._poll_notifications)
@@ -238,7 +237,8 @@ class DecodeKV:
         """Wait until no room is pending and no page is quarantined; ``False`` on timeout."""
         with anyio.move_on_after(timeout):
             while not self._idle():
-                assert self._changed is not None
+                if self._changed is None:
+                    self._changed = anyio.Event()
                 await self._changed.wait()
         return self._idle()
 
@@ -248,7 +248,7 @@ class DecodeKV:
     def _notify(self) -> None:
         if self._changed is not None:
             self._changed.set()
-            self._changed = anyio.Event()
+            self._changed = None
 
     def statistics(self) -> DecodeStatistics:
         s = self._stats

@@ -307,7 +307,7 @@ class KVPool:
             raise KVPoolExhausted(f"{num_pages} pages asked, {self._extents.free} free")
         return self._track(self._extents.take(num_pages))
 
-    def alloc_exact(self, pages: PageArray | list[int]) -> PageAllocation:
+    def alloc_exact(self, pages: PageArray | list[int] | tuple[int, ...]) -> PageAllocation:
         """Exactly these pages (each must be free), in this order: scattered layouts, tests."""
         arr = as_page_array(pages)
         ordered = np.sort(arr)

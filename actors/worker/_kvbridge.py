@@ -353,7 +353,7 @@ class MockTransfer:
         outputs = engine.generate(request)
         try:
             target = await engine.wait_transfer_target(rid)
-            pages = self._pool.alloc_exact(list(target.block_ids))
+            pages = self._pool.alloc_exact(target.block_ids)
             try:
                 # The engine verifies the pages itself (complete_transfer): no checksums needed.
                 await receive(pages, False)
