@@ -130,13 +130,12 @@ class TransferMixin:
                 continue
             bs = sched.cfg.block_size
             expected = [r.expected or expected_kv(r, bs, self._tokens) for r in mine]
-            total = sum(len(e.hashes) for e in expected)
+            sizes = [len(e.hashes) for e in expected]
+            total = sum(sizes)
             # Straight into arrays (the pass takes them): no list of every page on the way.
-            pages = zip(mine, expected, strict=True)
-            blocks = np.fromiter(
-                chain.from_iterable(r.blocks[: len(e.hashes)] for r, e in pages), np.int64, total
-            )
-            hashes = np.fromiter(chain.from_iterable(e.hashes for e in expected), np.int64, total)
+            parts = [r.blocks[:n] for r, n in zip(mine, sizes, strict=True)]
+            blocks = np.fromiter(chain.from_iterable(parts), np.int64, total)
+            hashes = np.fromiter(chain.from_iterable([e.hashes for e in expected]), np.int64, total)
             bad = memory.bad_pages(blocks, hashes)
             start = 0  # the first of this request's pages in the pass
             for req, exp in zip(mine, expected, strict=True):
