@@ -52,6 +52,8 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 _LANES = np.arange(1, _ROW_WORDS + 1, dtype=np.uint64) * np.uint64(_GOLDEN)  # word k: (k+1)*G
 _INT64_MAX = (1 << 63) - 1
+# The device page check's scratch, made up front (a drain of 16 4k contexts of 1 KiB pages: 1 MiB).
+_WARM_SCRATCH_BYTES = 8 << 20
 
 
 def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -238,6 +240,8 @@ class KvPageMemory:
         it on the receiving engine's event loop (measured on an H100)."""
         blocks = self.buffer()
         torch = importlib.import_module("torch")
+        # The scratch too (pinned host memory is slow to allocate), sized for a drain's batch.
+        self._device_scratch(min(self.num_blocks, max(1, _WARM_SCRATCH_BYTES // self.block_bytes)))
         self._gather(np.zeros(1, dtype=np.int64))
         index = torch.zeros(1, dtype=torch.int64, device=blocks.device)
         blocks.index_copy_(0, index, blocks.index_select(0, index))
@@ -354,18 +358,25 @@ class KvPageMemory:
             return self._pages.take(block_ids, axis=0, out=out, mode="clip")
         blocks = self.buffer()
         torch = importlib.import_module("torch")
-        scratch = self._scratch_tensors
-        if scratch is None or scratch[1].shape[0] < n:
-            shape = (max(n, 2 * scratch[1].shape[0] if scratch else 0), self.block_bytes)
-            on_device = torch.empty(shape, dtype=torch.uint8, device=blocks.device)
-            host = torch.empty(shape, dtype=torch.uint8, pin_memory=blocks.is_cuda)
-            scratch = self._scratch_tensors = (on_device, host)
+        scratch = self._device_scratch(n)
         index = torch.from_numpy(block_ids).to(blocks.device)
         on_device, host = scratch[0][:n], scratch[1][:n]
         torch.index_select(blocks, 0, index, out=on_device)
         host.copy_(on_device)  # synchronous: the host copy is complete on return
         pages: npt.NDArray[np.uint8] = host.numpy()
         return pages.view(np.uint64).reshape(n, self._rows.size, _ROW_WORDS)
+
+    def _device_scratch(self, n: int) -> tuple[Any, Any]:
+        """The gather's scratch on a device, for at least ``n`` blocks: ``(device, host)``."""
+        scratch = self._scratch_tensors
+        if scratch is None or scratch[1].shape[0] < n:
+            torch = importlib.import_module("torch")
+            blocks = self.buffer()
+            shape = (max(n, 2 * scratch[1].shape[0] if scratch else 0), self.block_bytes)
+            on_device = torch.empty(shape, dtype=torch.uint8, device=blocks.device)
+            host = torch.empty(shape, dtype=torch.uint8, pin_memory=blocks.is_cuda)
+            scratch = self._scratch_tensors = (on_device, host)
+        return scratch
 
     def checksum(self, block_id: int) -> int:
         """The same checksum as :func:`page_checksum`, over what the block holds now."""
