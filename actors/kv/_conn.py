@@ -120,7 +120,8 @@ class PrefillConnection:
 
     async def wait_ready(self, timeout: float) -> None:
         """Wait for ``Welcome``; :class:`KVTransferError` if rejected or silent."""
-        if self.welcome is None and self.rejected is None:  # else no timer: every receive asks
+        # No timer when it is settled already: every receive asks (a drain's burst of them).
+        if self.welcome is None and self.rejected is None:
             with anyio.move_on_after(timeout):
                 while self.welcome is None and self.rejected is None:
                     await self._changed.wait()

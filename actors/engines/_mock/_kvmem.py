@@ -353,8 +353,8 @@ class KvPageMemory:
                 self._scratch = np.empty((size, *self._scratch.shape[1:]), dtype=np.uint64)
             out = self._scratch[:n]
             # "clip": with ``out``, numpy's default ("raise") copies through a temporary. The
-            # ids are the engine's own blocks; one out of range would read the last block,
-            # which fails the verification, never passes it.
+            # ids are the engine's own blocks; one out of range would read the first or last
+            # block, which fails the verification, never passes it.
             return self._pages.take(block_ids, axis=0, out=out, mode="clip")
         blocks = self.buffer()
         torch = importlib.import_module("torch")
