@@ -326,11 +326,12 @@ class MockTransfer:
             engine.release_transfer(rid)
 
     async def _complete(self, rid: str) -> None:
-        """Have the engine verify ``rid``'s pages and go on decoding, together with every
-        request whose KV lands in the same event-loop turn (a drain's live migrations): one
-        pass over all their pages (``complete_transfers``). The first to land waits out that
-        turn, shielded (its own cancellation must not strand the others), and completes them
-        all; a request whose pages fail ends its stream with ``KVCorrupted``."""
+        """Have the engine go on decoding ``rid``, together with every request whose KV lands
+        in the same event-loop turn (a drain's live migrations), their pages verified in one
+        pass while their first step runs (``complete_transfers(overlap=True)``). The first to
+        land waits out that turn, shielded (its own cancellation must not strand the others),
+        and completes them all; a request whose pages fail ends its stream with
+        ``KVCorrupted`` before that step's tokens."""
         landed = self._landed
         landed.append(rid)
         if len(landed) > 1:
@@ -339,7 +340,7 @@ class MockTransfer:
             await anyio.lowlevel.checkpoint()
         self._landed = []
         try:
-            self.engine.complete_transfers(landed)
+            self.engine.complete_transfers(landed, overlap=True)
         except Exception as exc:
             for other in landed:
                 self.engine.fail_transfer(other, f"{type(exc).__name__}: {exc}")

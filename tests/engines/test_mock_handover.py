@@ -13,7 +13,7 @@ import pytest
 from actors.engines import BlockStored, KvPages, MockEngine, TimingModel, replay_kv_events
 from actors.kv import PageAllocation, ReceivedKV
 from actors.worker._kvbridge import MockTransfer
-from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest
+from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, StopConditions
 from protocols.errors import KVCorrupted
 from tests.engines._mock_helpers import collect, config, eventually, request, run, tokens_of
 
@@ -171,8 +171,11 @@ async def test_live_migrations_received_together_publish_one_kv_event_batch() ->
             await stream.aclose()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["checked", "overlapped"])
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "unprepared"])
-async def test_contexts_completed_together_are_verified_each_on_its_own(prepared: bool) -> None:
+async def test_contexts_completed_together_are_verified_each_on_its_own(
+    prepared: bool, overlap: bool
+) -> None:
     async with (
         MockEngine(config()) as source,
         MockEngine(config(role="decode")) as target,
@@ -193,14 +196,49 @@ async def test_contexts_completed_together_are_verified_each_on_its_own(prepared
         m2 = await target.wait_transfer_target("m2")
         dst[m2.block_ids[-1]] = 0  # the third context's last page never arrived
         # One pass over every page of the three; a request that is not waiting is left out.
-        verified = target.complete_transfers(["m0", "m1", "m2", "gone"])
-        assert verified == {"m0": True, "m1": False, "m2": False}
+        # Overlapped, all three start and the pass runs while their first step does: the
+        # failing ones end before any token of it.
+        verified = target.complete_transfers(["m0", "m1", "m2", "gone"], overlap=overlap)
+        assert verified == {"m0": True, "m1": overlap, "m2": overlap}
         again = tokens_of(await _until_token(streams[0]))
         assert again[0] == done[0][-1] and len(again) >= 2  # m0 decodes on
         for stream, kv, page in ((streams[1], m1, 1), (streams[2], m2, len(m2.block_ids) - 1)):
             pattern = f"1 of {len(kv.block_ids)} KV pages failed verification .first: page {page}"
             with pytest.raises(KVCorrupted, match=pattern):
                 await collect(stream)
+        for i, stream in enumerate(streams):
+            await stream.aclose()
+            source.release_transfer(f"r{i}")
+        assert target.is_quiescent() and source.is_quiescent()
+
+
+async def test_an_overlapped_check_runs_with_the_first_step() -> None:
+    slow = TimingModel(speedup=0.1)  # steps of ~60 ms: the check is seen to wait for one
+    async with (
+        MockEngine(config()) as source,
+        MockEngine(config(role="decode", timing=slow)) as target,
+    ):
+        pages, done = await _handed_over(source)
+        lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
+        # m2 may produce only the token it recomputes: it ends at once, so it is checked first.
+        lives[2] = msgspec.structs.replace(lives[2], stop_conditions=StopConditions(max_tokens=1))
+        streams = [target.generate(live) for live in lives]
+        for i, live in enumerate(lives):
+            await _deliver(source, pages[f"r{i}"], target, live.rid)
+        m2 = await target.wait_transfer_target("m2")
+        target.kv_buffer(0)[m2.block_ids[0], 7] ^= 1
+        before = target.cached_block_hashes()
+        verified = target.complete_transfers(["m0", "m1", "m2"], overlap=True)
+        assert verified == {"m0": True, "m1": True, "m2": False}
+        assert target.cached_block_hashes() == before  # nothing checked, nothing registered
+        await target.abort("m1")  # before its check: never checked, its blocks freed
+        again = tokens_of(await _until_token(streams[0]))
+        assert again[0] == done[0][-1] and len(again) == 2
+        registered = target.cached_block_hashes() - before
+        assert len(registered) == len(lives[0].token_ids) // 16  # m0's full pages, checked
+        assert (await collect(streams[1]))[-1].finish_reason == "cancelled"
+        with pytest.raises(KVCorrupted):
+            await collect(streams[2])
         for i, stream in enumerate(streams):
             await stream.aclose()
             source.release_transfer(f"r{i}")
@@ -227,9 +265,10 @@ async def test_the_bridge_verifies_the_kv_landing_in_one_turn_in_one_pass() -> N
         passes: list[list[str]] = []
         complete = target.complete_transfers
 
-        def counted(rids: Sequence[str]) -> dict[str, bool]:
+        def counted(rids: Sequence[str], *, overlap: bool = False) -> dict[str, bool]:
+            assert overlap  # the bridge checks the pages while their first step runs
             passes.append(sorted(rids))
-            return complete(rids)
+            return complete(rids, overlap=overlap)
 
         target.complete_transfers = counted  # type: ignore[method-assign]
         landed = anyio.Event()

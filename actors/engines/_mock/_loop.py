@@ -20,6 +20,7 @@ import msgspec
 from actors.engines._mock._batch import DecodeBatch
 from actors.engines._mock._config import MockEngineConfig
 from actors.engines._mock._pool import BlockPool
+from actors.engines._mock._received import ReceivedPages
 from actors.engines._mock._request import MockRequest, Phase
 from actors.engines._mock._wire import KvMetrics
 from protocols.engine import FinishReason
@@ -69,6 +70,7 @@ class LoopMixin:
     _unprepared: list[MockRequest]
     _arrived: list[MockRequest]
     _gather_until: float | None
+    received: ReceivedPages
     _readers: list[MockRequest]
     _urgent: bool
     _wake_event: anyio.Event | None
@@ -224,10 +226,13 @@ class LoopMixin:
             ready = not self.paused and not self.holds and self.memory_ready
             step = self._plan() if ready else None
             if step is None:
+                if self._gather_until is None:  # else the step they gather for checks them
+                    self.received.check_pending()
                 self.flush_events()  # what calls since the last turn left to it (after_change)
                 await self._idle()
                 continue
             if timing.instant:
+                self.received.check_pending()
                 self.flush_events()
                 self._commit(step)
                 if cfg.record_steps:
@@ -258,9 +263,11 @@ class LoopMixin:
             end = start + step[2]
             self._step_done = anyio.Event()
             self.batch.frozen = True
-            # What calls since the last turn left to publish, while the step runs (as a real
-            # engine's CPU works while its GPU computes): the KV events of a drain's contexts
-            # landing together (all their tokens) need not delay the step they all join.
+            # While the step runs (as a real engine's CPU works while its GPU computes): the
+            # check of received pages left to it, and what calls since the last turn left to
+            # publish (a drain's contexts landing together need delay neither their step nor,
+            # by their KV events, the step they all join).
+            self.received.check_pending()
             self.flush_events()
             try:
                 await anyio.sleep(max(0.0, end - anyio.current_time()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -11,7 +12,7 @@ from actors.engines._mock._pool import BlockPool
 from actors.engines._mock._request import ExpectedKV, MockRequest
 from actors.engines._mock._tokens import TokenModel, token_bytes
 
-__all__ = ["expected_kv", "fill_pages", "hashes_upto", "write_partials"]
+__all__ = ["bad_received_pages", "expected_kv", "fill_pages", "hashes_upto", "write_partials"]
 
 
 def expected_kv(req: MockRequest, block_size: int, model: TokenModel) -> ExpectedKV:
@@ -21,6 +22,26 @@ def expected_kv(req: MockRequest, block_size: int, model: TokenModel) -> Expecte
     tokens = np.frombuffer(token_bytes(prompt), dtype=np.int64)
     hashes = prompt_page_hashes(tokens, block_size)
     return ExpectedKV(prompt, hashes, model.prefix_hash(tokens))
+
+
+def bad_received_pages(
+    memory: KvPageMemory, reqs: Sequence[MockRequest], expected: Sequence[ExpectedKV]
+) -> list[list[int]]:
+    """For each of ``reqs`` (their KV received, ``expected`` what it must hold), the indices of
+    its pages that fail: every page of them all checked in one pass."""
+    sizes = [len(e.hashes) for e in expected]
+    total = sum(sizes)
+    # Straight into arrays (the pass takes them): no list of every page on the way.
+    parts = [r.blocks[:n] for r, n in zip(reqs, sizes, strict=True)]
+    blocks = np.fromiter(chain.from_iterable(parts), np.int64, total)
+    hashes = np.fromiter(chain.from_iterable([e.hashes for e in expected]), np.int64, total)
+    bad = memory.bad_pages(blocks, hashes)
+    out: list[list[int]] = []
+    start = 0  # the first of this request's pages in the pass
+    for n in sizes:
+        out.append([b - start for b in bad if start <= b < start + n])
+        start += n
+    return out
 
 
 def hashes_upto(req: MockRequest, pages: int, block_size: int) -> list[int]:

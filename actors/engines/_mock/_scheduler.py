@@ -27,6 +27,7 @@ from actors.engines._mock._loop import LoopMixin, Step, StepRecord
 from actors.engines._mock._pages import expected_kv, fill_pages, hashes_upto, write_partials
 from actors.engines._mock._pool import BlockPool
 from actors.engines._mock._publish import KvEventPublisher
+from actors.engines._mock._received import ReceivedPages
 from actors.engines._mock._request import MockRequest, Phase
 from actors.engines._mock._tokens import TokenModel
 from actors.engines._mock._wire import KvMetrics
@@ -65,6 +66,7 @@ class RankScheduler(LoopMixin):
         self._needs_block: list[MockRequest] = []
         self._deferred: list[MockRequest] = []
         self._unprepared: list[MockRequest] = []  # awaiting KV, no ExpectedKV yet
+        self.received = ReceivedPages(self)
         self._arrived: list[MockRequest] = []  # live migrations decoding here, not stepped yet
         self._gather_until: float | None = None
         self._readers: list[MockRequest] = []

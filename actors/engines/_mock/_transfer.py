@@ -36,17 +36,16 @@ request, admitted at once or failed (``KVTransferError``), never queued.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 
 import msgspec
-import numpy as np
 
 from actors.engines._mock._kvmem import KvPageMemory
 from actors.engines._mock._pages import expected_kv
 from actors.engines._mock._request import ExpectedKV, MockRequest, Phase
 from actors.engines._mock._scheduler import RankScheduler
 from actors.engines._mock._tokens import TokenModel
-from protocols.errors import KVCorrupted, KVTransferError
+from protocols.engine import FinishReason
+from protocols.errors import KVTransferError
 
 __all__ = ["KvPages", "TransferMixin"]
 
@@ -106,78 +105,83 @@ class TransferMixin:
             raise KVTransferError(f"{rid}: the request ended before its KV arrived")
         return self._pages(req)
 
-    def complete_transfer(self, rid: str) -> bool:
+    def complete_transfer(self, rid: str, *, overlap: bool = False) -> bool:
         """Decode side: the pages are written; verify them and continue decoding.
 
-        Returns whether they verified; a failure ends the stream with ``KVCorrupted``.
+        Returns whether they verified; a failure ends the stream with ``KVCorrupted``. With
+        ``overlap`` see :meth:`complete_transfers`.
         """
         req = self._expecting(rid)
         if req.phase is not Phase.AWAITING_KV:
             raise KVTransferError(f"{rid}: not waiting for KV (phase {req.phase.value})")
-        return self.complete_transfers([rid])[rid]
+        return self.complete_transfers([rid], overlap=overlap)[rid]
 
-    def complete_transfers(self, rids: Sequence[str]) -> dict[str, bool]:
+    def complete_transfers(self, rids: Sequence[str], *, overlap: bool = False) -> dict[str, bool]:
         """:meth:`complete_transfer` for every request of ``rids`` whose KV arrived (a drain's
         live migrations landing together): all their pages verified in one pass, against what
         the step loop worked out from their tokens while the KV was on its way (or now, if it
         had no turn since). A request that is no longer waiting for its KV (it ended meanwhile)
-        is left out."""
+        is left out.
+
+        With ``overlap`` a request that goes on decoding starts at once and its pages are
+        checked while its first step runs (see ``_received``): ``True`` then says it started,
+        and a failed check ends its stream with ``KVCorrupted`` before that step's tokens. One
+        that ends at once (its first token stops it) is checked first, as without.
+        """
         reqs = [r for r in map(self._find, rids) if r is not None and r.phase is Phase.AWAITING_KV]
         results: dict[str, bool] = {}
-        for rank, (sched, memory) in enumerate(zip(self._ranks, self._memories, strict=True)):
+        for rank, sched in enumerate(self._ranks):
             mine = [r for r in reqs if r.rank == rank]
             if not mine:
                 continue
             bs = sched.cfg.block_size
             expected = [r.expected or expected_kv(r, bs, self._tokens) for r in mine]
-            sizes = [len(e.hashes) for e in expected]
-            total = sum(sizes)
-            # Straight into arrays (the pass takes them): no list of every page on the way.
-            parts = [r.blocks[:n] for r, n in zip(mine, sizes, strict=True)]
-            blocks = np.fromiter(chain.from_iterable(parts), np.int64, total)
-            hashes = np.fromiter(chain.from_iterable([e.hashes for e in expected]), np.int64, total)
-            bad = memory.bad_pages(blocks, hashes)
-            start = 0  # the first of this request's pages in the pass
-            for req, exp in zip(mine, expected, strict=True):
-                n = len(exp.hashes)
-                own = [b - start for b in bad if start <= b < start + n]
-                start += n
-                results[req.rid] = self._continue(sched, req, exp, own)
+            firsts = [self._first(sched, r, e) for r, e in zip(mine, expected, strict=True)]
+            later = [overlap and _decodes_on(r, f) for r, f in zip(mine, firsts, strict=True)]
+            now = [i for i, wait in enumerate(later) if not wait]
+            passed = sched.received.check_now([mine[i] for i in now], [expected[i] for i in now])
+            ok = dict(zip(now, passed, strict=True))
+            for i, (req, exp, first) in enumerate(zip(mine, expected, firsts, strict=True)):
+                req.expected = None
+                if later[i]:
+                    sched.received.check_later(req, exp)
+                elif not ok[i]:
+                    results[req.rid] = False
+                    continue
+                self._start(sched, req, exp.prefix_hash, first)
+                results[req.rid] = True
         return results
 
-    def _continue(
-        self, sched: RankScheduler, req: MockRequest, expected: ExpectedKV, bad: list[int]
-    ) -> bool:
-        """After verification: start decoding ``req`` from its received pages, or fail it."""
-        req.expected = None
-        hashes = expected.hashes
-        if bad:
-            error = KVCorrupted(
-                f"{req.rid}: {len(bad)} of {len(hashes)} KV pages failed verification "
-                f"(first: page {bad[0]})"
-            )
-            sched.end(req, error=error)
-            return False
-        bs = sched.cfg.block_size
-        full = req.prompt_len // bs
-        req.hashes = hashes[:full]
-        sched.pool.register_pages(req.blocks[:full], req.hashes, expected.prompt)
+    def _first(
+        self, sched: RankScheduler, req: MockRequest, expected: ExpectedKV
+    ) -> tuple[int, FinishReason | None] | None:
+        """The token ``req`` recomputes first from its received KV and whether it stops there
+        (``None``: it may produce no more)."""
+        if req.ngen >= req.max_new:
+            return None
+        regular, eos = self._tokens.next_token(expected.prefix_hash, req.seed_word)
+        return sched.decide(req, regular, eos, req.ngen)
+
+    def _start(
+        self,
+        sched: RankScheduler,
+        req: MockRequest,
+        prefix_hash: int,
+        first: tuple[int, FinishReason | None] | None,
+    ) -> None:
+        """Decode ``req`` from its received KV (or end it, if it may produce no more)."""
         req.kv_len = req.prompt_len
         sched.kv_received_tokens += req.prompt_len
         req.bootstrap = None  # from now on a retraction re-prefills locally
-        if req.ngen >= req.max_new:
+        if first is None:
             sched.end(req, "length")
-            return True
-        h = expected.prefix_hash
-        regular, eos = self._tokens.next_token(h, req.seed_word)
-        token, reason = sched.decide(req, regular, eos, req.ngen)
-        sched.start_decoding(req, h, token, reason)
+            return
+        sched.start_decoding(req, prefix_hash, *first)
         if req.request.live_migration:
             sched.arrived(req)
         # Its pages' KV events go out with those of the other live migrations arriving in this
         # turn (one batch per drain, not one send each), at the step loop's next turn.
         sched.after_change(publish=not req.request.live_migration)
-        return True
 
     def fail_transfer(self, rid: str, message: str) -> None:
         """Decode side: the transfer failed; the stream raises ``KVTransferError(message)``."""
@@ -235,3 +239,8 @@ class TransferMixin:
         req = self._find(rid)
         if req is not None and req.phase is Phase.OWED:
             self._ranks[req.rank].end(req)
+
+
+def _decodes_on(req: MockRequest, first: tuple[int, FinishReason | None] | None) -> bool:
+    """Whether ``req`` goes on decoding after ``first``, the token it recomputes first."""
+    return first is not None and first[1] is None and req.ngen + 1 < req.max_new
