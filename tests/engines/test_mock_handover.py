@@ -123,6 +123,30 @@ async def test_live_migrations_arriving_together_start_in_one_step() -> None:
             await stream.aclose()
 
 
+async def test_the_hold_lasts_as_long_as_the_step_they_all_take() -> None:
+    # Steps of ~0.8 s for the first context alone, ~1.3 s for the three: the others landing
+    # 1 s after the first still start with it (the hold is the longer step's).
+    slow = TimingModel(speedup=0.01)
+    async with (
+        MockEngine(config()) as source,
+        MockEngine(config(role="decode", timing=slow, record_steps=True)) as target,
+    ):
+        pages, done = await _handed_over(source)
+        lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
+        streams = [target.generate(live) for live in lives]
+        for i, live in enumerate(lives):
+            await _deliver(source, pages[f"r{i}"], target, live.rid)
+        assert target.complete_transfer("m0")
+        await anyio.sleep(1.0)
+        assert target.complete_transfers(["m1", "m2"]) == {"m1": True, "m2": True}
+        for stream in streams:
+            await _until_token(stream)
+        assert [r.decode_requests for r in target.step_records()][:1] == [3]
+        for i, stream in enumerate(streams):
+            await stream.aclose()
+            source.release_transfer(f"r{i}")
+
+
 async def test_a_live_migration_whose_peers_never_arrive_still_starts() -> None:
     async with (
         MockEngine(config()) as source,
