@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -92,10 +93,12 @@ class HandOver(Protocol):
         """The pages of :meth:`EngineTransfer.pool` again, for the hand-over side's own agent."""
         ...
 
-    async def hand_over(self, rids: Sequence[str]) -> dict[str, list[int] | None]:
+    async def hand_over(self, rids: Sequence[str]) -> dict[str, tuple[list[int], bytes] | None]:
         """Stop decoding ``rids`` (at the engine's next step boundary, all together) and hold
-        their KV: each one's pages (every token but the newest), or ``None`` when it cannot be
-        handed over (it is not decoding); a request that ended meanwhile is left out."""
+        their KV: each one's pages (every token but the newest) and what the room's
+        notification carries with them to the next engine (``aux``), or ``None`` when it
+        cannot be handed over (it is not decoding); a request that ended meanwhile is left
+        out."""
         ...
 
     def release(self, rid: str) -> None:
@@ -201,13 +204,13 @@ class KVBridge:
         if source is None or senders is None or not isinstance(transfer, HandOver):
             return dict.fromkeys(rids)
         offers: dict[str, BootstrapInfo | None] = {}
-        for rid, pages in (await transfer.hand_over(rids)).items():
-            if pages is None:
+        for rid, held in (await transfer.hand_over(rids)).items():
+            if held is None:
                 offers[rid] = None
                 continue
             room = source.open_room()
             self._handovers[rid] = room
-            senders.start_soon(self._send, rid, room, pages, name=f"hand over {rid}")
+            senders.start_soon(self._send, rid, room, *held, name=f"hand over {rid}")
             offers[rid] = room.bootstrap
         return offers
 
@@ -220,11 +223,11 @@ class KVBridge:
         room.abort(f"{rid}: the request continues elsewhere")
         return True
 
-    async def _send(self, rid: str, room: PrefillRoom, pages: list[int]) -> None:
+    async def _send(self, rid: str, room: PrefillRoom, pages: list[int], aux: bytes) -> None:
         assert isinstance(self.transfer, HandOver)
         try:
             with room:
-                await room.send(pages)
+                await room.send(pages, aux=aux)
         except RequestError as exc:
             _log.info("live migration KV not sent", rid=rid, error=str(exc))
         finally:
@@ -288,7 +291,8 @@ class MockTransfer:
         self.engine = engine
         self._fault = fault  # test and scenario fault injection (``corrupt_kv``, ``fail_kv``)
         self._pool: KVPool | None = None
-        self._landed: list[str] = []  # requests whose KV arrived in this event-loop turn
+        # Requests whose KV arrived in this event-loop turn, with the hash it came with.
+        self._landed: dict[str, int | None] = {}
 
     def pool(self) -> KVPool:
         self._pool = self.source_pool()
@@ -300,11 +304,14 @@ class MockTransfer:
         memory = self.engine.kv_memory(0)
         return KVPool.from_buffer(self.engine.kv_buffer(0), memory.block_bytes)
 
-    async def hand_over(self, rids: Sequence[str]) -> dict[str, list[int] | None]:
+    async def hand_over(self, rids: Sequence[str]) -> dict[str, tuple[list[int], bytes] | None]:
         if self.engine.config.dp_size != 1:
             return dict.fromkeys(rids)  # the bridge moves rank 0's pages only
         handed = await self.engine.hand_over(rids)
-        return {rid: None if p is None else list(p.block_ids) for rid, p in handed.items()}
+        return {
+            rid: None if p is None else (list(p.block_ids), _pack_prefix_hash(p.prefix_hash))
+            for rid, p in handed.items()
+        }
 
     def release(self, rid: str) -> None:
         self.engine.release_transfer(rid)
@@ -325,7 +332,7 @@ class MockTransfer:
         finally:
             engine.release_transfer(rid)
 
-    async def _complete(self, rid: str) -> None:
+    async def _complete(self, rid: str, prefix_hash: int | None) -> None:
         """Have the engine go on decoding ``rid``, together with every request whose KV lands
         in the same event-loop turn (a drain's live migrations), their pages verified in one
         pass while their first step runs (``complete_transfers(overlap=True)``). The first to
@@ -333,14 +340,15 @@ class MockTransfer:
         and completes them all; a request whose pages fail ends its stream with
         ``KVCorrupted`` before that step's tokens."""
         landed = self._landed
-        landed.append(rid)
+        landed[rid] = prefix_hash
         if len(landed) > 1:
             return  # the first one's turn completes it
         with anyio.CancelScope(shield=True):
             await anyio.lowlevel.checkpoint()
-        self._landed = []
+        self._landed = {}
+        hashes = {r: h for r, h in landed.items() if h is not None}
         try:
-            self.engine.complete_transfers(landed, overlap=True)
+            self.engine.complete_transfers(list(landed), overlap=True, prefix_hashes=hashes)
         except Exception as exc:
             for other in landed:
                 self.engine.fail_transfer(other, f"{type(exc).__name__}: {exc}")
@@ -357,7 +365,8 @@ class MockTransfer:
             pages = self._pool.alloc_exact(target.block_ids)
             try:
                 # The engine verifies the pages itself (complete_transfer): no checksums needed.
-                await receive(pages, False)
+                got = await receive(pages, False)
+                prefix_hash = _unpack_prefix_hash(got.aux)
             except KVTransferError as exc:
                 engine.fail_transfer(rid, str(exc))
                 raise
@@ -373,8 +382,27 @@ class MockTransfer:
                 # Fault injection: one flipped byte in the first received page.
                 buffer = engine.kv_buffer(target.dp_rank)
                 buffer[target.block_ids[0], 0] ^= 0xFF
-            await self._complete(rid)
+            await self._complete(rid, prefix_hash)
             async for output in outputs:
                 yield output
         finally:
             await outputs.aclose()
+
+
+# A hand-over's pages carry the token model's hash of their tokens (KvPages.prefix_hash) to
+# the next engine in their room's notification.
+_PREFIX_HASH = struct.Struct("<Q")
+
+
+def _pack_prefix_hash(prefix_hash: int | None) -> bytes:
+    return b"" if prefix_hash is None else _PREFIX_HASH.pack(prefix_hash)
+
+
+def _unpack_prefix_hash(aux: bytes) -> int | None:
+    if not aux:
+        return None  # a prefill's KV: the engine hashes the tokens itself
+    if len(aux) != _PREFIX_HASH.size:
+        size = _PREFIX_HASH.size
+        raise KVTransferError(f"the KV came with {len(aux)} bytes of state, not {size}")
+    value: int = _PREFIX_HASH.unpack(aux)[0]
+    return value

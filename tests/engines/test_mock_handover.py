@@ -12,7 +12,7 @@ import pytest
 
 from actors.engines import BlockStored, KvPages, MockEngine, TimingModel, replay_kv_events
 from actors.kv import PageAllocation, ReceivedKV
-from actors.worker._kvbridge import MockTransfer
+from actors.worker._kvbridge import MockTransfer, _pack_prefix_hash
 from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, StopConditions
 from protocols.errors import KVCorrupted
 from tests.engines._mock_helpers import collect, config, eventually, request, run, tokens_of
@@ -78,8 +78,12 @@ async def test_hand_over_lets_the_step_in_flight_deliver_its_tokens() -> None:
             expected, _ = await run(reference, request(f"ref{i}", prompt, max_tokens=40))
             live = _live(f"m{i}", prompt, done[i], 40)
             stream = target.generate(live)
-            await _deliver(source, pages[f"r{i}"], target, live.rid)
-            assert target.complete_transfer(live.rid)
+            kv = pages[f"r{i}"]
+            await _deliver(source, kv, target, live.rid)
+            # It starts from the hash the pages came with (no hashing of the context first);
+            # the check in its first step finds it is its tokens' (else: KVCorrupted).
+            assert kv is not None and kv.prefix_hash is not None
+            assert target.complete_transfer(live.rid, overlap=True, prefix_hash=kv.prefix_hash)
             source.release_transfer(f"r{i}")
             rest = tokens_of(await collect(stream))
             assert rest[0] == done[i][-1]  # the newest token, recomputed
@@ -206,10 +210,13 @@ async def test_contexts_completed_together_are_verified_each_on_its_own(
     ):
         pages, done = await _handed_over(source)
         lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
+        if prepared:
+            # As a prefill's KV (not a live migration's, which comes with its hash): the step
+            # loop's turn while the transfer is in flight works out what each context's KV
+            # must hold; without it the arrival (or the check in the step) does.
+            lives = [msgspec.structs.replace(live, live_migration=False) for live in lives]
         streams = [target.generate(live) for live in lives]
         if prepared:
-            # The step loop's turn, as while a transfer is in flight: it works out what each
-            # context's KV must hold; without it the arrival does (the same verification).
             await anyio.sleep(0.01)
             assert all(target._find(live.rid).expected is not None for live in lives)
         for i, live in enumerate(lives):
@@ -225,7 +232,7 @@ async def test_contexts_completed_together_are_verified_each_on_its_own(
         verified = target.complete_transfers(["m0", "m1", "m2", "gone"], overlap=overlap)
         assert verified == {"m0": True, "m1": overlap, "m2": overlap}
         again = tokens_of(await _until_token(streams[0]))
-        assert again[0] == done[0][-1] and len(again) >= 2  # m0 decodes on
+        assert again[0] == done[0][-1]  # m0 decodes on
         for stream, kv, page in ((streams[1], m1, 1), (streams[2], m2, len(m2.block_ids) - 1)):
             pattern = f"1 of {len(kv.block_ids)} KV pages failed verification .first: page {page}"
             with pytest.raises(KVCorrupted, match=pattern):
@@ -269,6 +276,32 @@ async def test_an_overlapped_check_runs_with_the_first_step() -> None:
         assert target.is_quiescent() and source.is_quiescent()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["checked", "overlapped"])
+async def test_kv_whose_hash_is_not_its_tokens_fails(overlap: bool) -> None:
+    async with (
+        MockEngine(config()) as source,
+        MockEngine(config(role="decode")) as target,
+    ):
+        pages, done = await _handed_over(source)
+        lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
+        streams = [target.generate(live) for live in lives]
+        for i, live in enumerate(lives):
+            await _deliver(source, pages[f"r{i}"], target, live.rid)
+        kv0, kv1 = pages["r0"], pages["r1"]
+        assert kv0 is not None and kv1 is not None and kv0.prefix_hash != kv1.prefix_hash
+        # m1's pages are intact, but the hash that came with them is m0's: another sequence.
+        hashes = {"m0": kv0.prefix_hash, "m1": kv0.prefix_hash}
+        verified = target.complete_transfers(["m0", "m1"], overlap=overlap, prefix_hashes=hashes)
+        assert verified == {"m0": True, "m1": overlap}
+        assert tokens_of(await _until_token(streams[0]))[0] == done[0][-1]
+        with pytest.raises(KVCorrupted, match="another sequence"):
+            await collect(streams[1])
+        for i, stream in enumerate(streams):
+            await stream.aclose()
+            source.release_transfer(f"r{i}")
+        assert target.is_quiescent() and source.is_quiescent()
+
+
 async def test_the_bridge_verifies_the_kv_landing_in_one_turn_in_one_pass() -> None:
     corrupt = [1]  # the first request to check gets a flipped byte (``corrupt_kv``)
 
@@ -289,10 +322,14 @@ async def test_the_bridge_verifies_the_kv_landing_in_one_turn_in_one_pass() -> N
         passes: list[list[str]] = []
         complete = target.complete_transfers
 
-        def counted(rids: Sequence[str], *, overlap: bool = False) -> dict[str, bool]:
-            assert overlap  # the bridge checks the pages while their first step runs
+        def counted(
+            rids: Sequence[str], *, overlap: bool = False, prefix_hashes: Any = None
+        ) -> dict[str, bool]:
+            # The bridge checks the pages while their first step runs, and starts each from
+            # the hash its KV came with.
+            assert overlap and prefix_hashes is not None and prefix_hashes.keys() == set(rids)
             passes.append(sorted(rids))
-            return complete(rids, overlap=overlap)
+            return complete(rids, overlap=overlap, prefix_hashes=prefix_hashes)
 
         target.complete_transfers = counted  # type: ignore[method-assign]
         landed = anyio.Event()
@@ -305,8 +342,13 @@ async def test_the_bridge_verifies_the_kv_landing_in_one_turn_in_one_pass() -> N
                 if len(waiting) == len(lives):
                     landed.set()
                 await landed.wait()  # every room's KV lands in the same turn
-                await _deliver(source, pages[f"r{i}"], target, live.rid)
-                return ReceivedKV(room=i, pages=alloc, checksums=None, verified=False, seconds=0)
+                kv = pages[f"r{i}"]
+                await _deliver(source, kv, target, live.rid)
+                assert kv is not None
+                aux = _pack_prefix_hash(kv.prefix_hash)  # as the source's room sends it
+                return ReceivedKV(
+                    room=i, pages=alloc, checksums=None, verified=False, seconds=0, aux=aux
+                )
 
             outputs = transfer.decode(live, receive)
             try:

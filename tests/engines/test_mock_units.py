@@ -43,6 +43,8 @@ def test_rolling_hash_matches_the_whole_prefix_hash(tokens: list[int]) -> None:
     arr = np.array([model.prefix_hash(tokens[:-1])], dtype=np.uint64)
     model.extend_in_place(arr, np.array(tokens[-1:], dtype=np.int64))
     assert int(arr[0]) == h
+    # A hand-over recovers the hash of all but the newest token from the whole one's.
+    assert model.retract(h, tokens[-1]) == model.prefix_hash(tokens[:-1])
 
 
 def test_prefix_hash_of_long_sequences_matches_the_rolling_hash() -> None:

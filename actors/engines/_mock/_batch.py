@@ -99,6 +99,10 @@ class DecodeBatch:
         """``req.kv_len`` without a full sync."""
         return int(self._kv[req.slot]) if self.holds(req) else req.kv_len
 
+    def hash_of(self, req: MockRequest) -> int:
+        """The token model's hash of ``req``'s sequence (its newest token included)."""
+        return int(self._h[req.slot])
+
     def holds(self, req: MockRequest) -> bool:
         return req.slot >= 0 and self._by_slot[req.slot] is req
 

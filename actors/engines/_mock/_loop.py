@@ -232,6 +232,11 @@ class LoopMixin:
                 if self._gather_until is None:  # else the step they gather for checks them
                     self.received.check_pending()
                 self.flush_events()  # what calls since the last turn left to it (after_change)
+                if self._unprepared:
+                    # Admitted by this plan (a prefill's KV on its way): the next turn works
+                    # out what it must hold, once their callers have asked for it.
+                    await anyio.lowlevel.checkpoint()
+                    continue
                 await self._idle()
                 continue
             if timing.instant:

@@ -273,18 +273,23 @@ class RankScheduler(LoopMixin):
             if req.phase is Phase.AWAITING_KV and req.expected is None:
                 req.expected = expected_kv(req, self.cfg.block_size, self.tokens)
 
-    def hand_over(self, reqs: Sequence[MockRequest]) -> None:
+    def hand_over(self, reqs: Sequence[MockRequest]) -> dict[str, int]:
         """Decode, live migration: ``reqs`` (decoding) stop here; their streams end
         ``cancelled`` and their KV stays owed to the transfer layer (see ``_hold``). The KV
         covers every token but the newest: that one's KV is only computed by the next decode
-        step. Called between steps (``hold``), so no step's work is lost."""
+        step. Called between steps (``hold``), so no step's work is lost. Returns the token
+        model's hash of the tokens each one's KV covers (the next engine starts from it)."""
+        covered: dict[str, int] = {}
         for req in reqs:
-            self.batch.leave(req)
+            h = self.batch.hash_of(req)
+            self.batch.leave(req)  # synced: ``seq`` ends in the newest token
+            covered[req.rid] = self.tokens.retract(h, req.seq[-1])
         write_partials(reqs, self.cfg.block_size, self.memory)
         for req in reqs:
             self.handed_over += 1
             self._hold(req, "cancelled")
         self.after_change()
+        return covered
 
     def _admit(self, req: MockRequest, transfer: bool) -> bool:
         cfg = self.cfg
@@ -295,7 +300,8 @@ class RankScheduler(LoopMixin):
             req.blocks = new
             req.phase = Phase.AWAITING_KV
             req.deadline = anyio.current_time() + cfg.transfer_timeout_s
-            self._unprepared.append(req)  # the loop's next turn, while the transfer runs
+            if not req.request.live_migration:  # (its KV comes with its hash: see _received)
+                self._unprepared.append(req)  # the loop's next turn, while the transfer runs
             if req.transfer_ready is not None:
                 req.transfer_ready.set()
         else:

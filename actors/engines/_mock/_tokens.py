@@ -29,6 +29,7 @@ U64Array = npt.NDArray[np.uint64]
 
 _MASK = (1 << 64) - 1
 _P = 0x100000001B3  # FNV-1a 64-bit prime: odd, so powers never collapse to 0
+_P_INV = pow(_P, -1, 1 << 64)  # odd: invertible modulo 2**64
 _K = 0x9E3779B97F4A7C15  # offset added to every token, so leading zeros still count
 _BASIS = 0xCBF29CE484222325
 _GREEDY_WORD = 0x6A09E667F3BCC908  # seed word of temperature-0 requests
@@ -129,6 +130,11 @@ class TokenModel:
     def extend(h: int, token: int) -> int:
         """``H`` after appending ``token`` (scalar)."""
         return (h * _P + token + _K) & _MASK
+
+    @staticmethod
+    def retract(h: int, token: int) -> int:
+        """``H`` before appending ``token`` to a sequence of hash ``h`` (undoes :meth:`extend`)."""
+        return ((h - token - _K) * _P_INV) & _MASK
 
     @staticmethod
     def extend_many(h: U64Array, tokens: npt.NDArray[np.int64]) -> U64Array:

@@ -35,7 +35,7 @@ request, admitted at once or failed (``KVTransferError``), never queued.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -60,6 +60,9 @@ class KvPages(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     block_bytes: int
     memory_generation: int  # KvMemoryInfo.generation the block ids refer to
+    # A hand-over's: the token model's hash of the tokens the pages hold (the mock's stand-in
+    # for the KV's state), so the next engine starts from it without hashing a long context.
+    prefix_hash: int | None = None
 
     def byte_offsets(self) -> list[int]:
         """Byte offset of each page within its rank's KV buffer."""
@@ -76,7 +79,9 @@ class TransferMixin:
     def _find(self, rid: str) -> MockRequest | None:
         raise NotImplementedError
 
-    def _pages(self, req: MockRequest, tokens: int | None = None) -> KvPages:
+    def _pages(
+        self, req: MockRequest, tokens: int | None = None, prefix_hash: int | None = None
+    ) -> KvPages:
         memory, cfg = self._memories[req.rank], self._ranks[req.rank].cfg
         tokens = req.prompt_len if tokens is None else tokens
         return KvPages(
@@ -87,6 +92,7 @@ class TransferMixin:
             block_size=cfg.block_size,
             block_bytes=memory.block_bytes,
             memory_generation=memory.generation,
+            prefix_hash=prefix_hash,
         )
 
     def _expecting(self, rid: str) -> MockRequest:
@@ -105,18 +111,27 @@ class TransferMixin:
             raise KVTransferError(f"{rid}: the request ended before its KV arrived")
         return self._pages(req)
 
-    def complete_transfer(self, rid: str, *, overlap: bool = False) -> bool:
+    def complete_transfer(
+        self, rid: str, *, overlap: bool = False, prefix_hash: int | None = None
+    ) -> bool:
         """Decode side: the pages are written; verify them and continue decoding.
 
-        Returns whether they verified; a failure ends the stream with ``KVCorrupted``. With
-        ``overlap`` see :meth:`complete_transfers`.
+        Returns whether they verified; a failure ends the stream with ``KVCorrupted``. For
+        ``overlap`` and ``prefix_hash`` see :meth:`complete_transfers`.
         """
         req = self._expecting(rid)
         if req.phase is not Phase.AWAITING_KV:
             raise KVTransferError(f"{rid}: not waiting for KV (phase {req.phase.value})")
-        return self.complete_transfers([rid], overlap=overlap)[rid]
+        hashes = None if prefix_hash is None else {rid: prefix_hash}
+        return self.complete_transfers([rid], overlap=overlap, prefix_hashes=hashes)[rid]
 
-    def complete_transfers(self, rids: Sequence[str], *, overlap: bool = False) -> dict[str, bool]:
+    def complete_transfers(
+        self,
+        rids: Sequence[str],
+        *,
+        overlap: bool = False,
+        prefix_hashes: Mapping[str, int] | None = None,
+    ) -> dict[str, bool]:
         """:meth:`complete_transfer` for every request of ``rids`` whose KV arrived (a drain's
         live migrations landing together): all their pages verified in one pass, against what
         the step loop worked out from their tokens while the KV was on its way (or now, if it
@@ -127,39 +142,58 @@ class TransferMixin:
         checked while its first step runs (see ``_received``): ``True`` then says it started,
         and a failed check ends its stream with ``KVCorrupted`` before that step's tokens. One
         that ends at once (its first token stops it) is checked first, as without.
+
+        ``prefix_hashes``: the token model's hash of a request's tokens as the KV came with it
+        (:attr:`KvPages.prefix_hash`, a hand-over's): it starts from that, without hashing its
+        context first, and the check fails it if its tokens hash otherwise.
         """
         reqs = [r for r in map(self._find, rids) if r is not None and r.phase is Phase.AWAITING_KV]
+        given = prefix_hashes or {}
         results: dict[str, bool] = {}
         for rank, sched in enumerate(self._ranks):
             mine = [r for r in reqs if r.rank == rank]
             if not mine:
                 continue
             bs = sched.cfg.block_size
-            expected = [r.expected or expected_kv(r, bs, self._tokens) for r in mine]
-            firsts = [self._first(sched, r, e) for r, e in zip(mine, expected, strict=True)]
+            # What each must hold (unless the check works it out later) and the hash it
+            # starts from.
+            expected: list[ExpectedKV | None] = []
+            starts: list[int] = []
+            for r in mine:
+                exp, h = r.expected, given.get(r.rid)
+                if h is None or (exp is None and not overlap):
+                    exp = exp or expected_kv(r, bs, self._tokens)
+                    h = exp.prefix_hash if h is None else h
+                expected.append(exp)
+                starts.append(h)
+            firsts = [self._first(sched, r, h) for r, h in zip(mine, starts, strict=True)]
             later = [overlap and _decodes_on(r, f) for r, f in zip(mine, firsts, strict=True)]
             now = [i for i, wait in enumerate(later) if not wait]
-            passed = sched.received.check_now([mine[i] for i in now], [expected[i] for i in now])
+            passed = sched.received.check_now(
+                [mine[i] for i in now],
+                [expected[i] or expected_kv(mine[i], bs, self._tokens) for i in now],
+                [given.get(mine[i].rid) for i in now],
+            )
             ok = dict(zip(now, passed, strict=True))
-            for i, (req, exp, first) in enumerate(zip(mine, expected, firsts, strict=True)):
-                req.expected = None
+            for i, (req, h, first) in enumerate(zip(mine, starts, firsts, strict=True)):
                 if later[i]:
-                    sched.received.check_later(req, exp)
+                    sched.received.check_later(req, expected[i], given.get(req.rid))
                 elif not ok[i]:
                     results[req.rid] = False
                     continue
-                self._start(sched, req, exp.prefix_hash, first)
+                req.expected = None
+                self._start(sched, req, h, first)
                 results[req.rid] = True
         return results
 
     def _first(
-        self, sched: RankScheduler, req: MockRequest, expected: ExpectedKV
+        self, sched: RankScheduler, req: MockRequest, prefix_hash: int
     ) -> tuple[int, FinishReason | None] | None:
-        """The token ``req`` recomputes first from its received KV and whether it stops there
-        (``None``: it may produce no more)."""
+        """The token ``req`` recomputes first from its received KV (of hash ``prefix_hash``)
+        and whether it stops there (``None``: it may produce no more)."""
         if req.ngen >= req.max_new:
             return None
-        regular, eos = self._tokens.next_token(expected.prefix_hash, req.seed_word)
+        regular, eos = self._tokens.next_token(prefix_hash, req.seed_word)
         return sched.decide(req, regular, eos, req.ngen)
 
     def _start(
@@ -210,7 +244,8 @@ class TransferMixin:
         Each stream ends ``cancelled``, after every token so far. The pages cover the sequence
         but its newest token (``num_tokens``; the trailing partial page is written), so the next
         worker receives them for a request of that prefix and recomputes the newest token as its
-        first. They stay owed until ``release_transfer``, ``abort`` or ``transfer_timeout_s``.
+        first (from :attr:`KvPages.prefix_hash`, which the pages carry). They stay owed until
+        ``release_transfer``, ``abort`` or ``transfer_timeout_s``.
         """
         for sched in self._ranks:
             sched.hold()
@@ -221,12 +256,16 @@ class TransferMixin:
             handed = {
                 rid: r for rid, r in found.items() if r is not None and r.phase is Phase.DECODE
             }
+            covered: dict[str, int] = {}  # the hash of the tokens each one's KV holds
             for rank, sched in enumerate(self._ranks):
                 mine = [r for r in handed.values() if r.rank == rank]
                 if mine:
-                    sched.hand_over(mine)  # all at once: one write of their partial pages
+                    # All at once: one write of their partial pages.
+                    covered.update(sched.hand_over(mine))
             return {
-                rid: self._pages(handed[rid], handed[rid].kv_len) if rid in handed else None
+                rid: self._pages(handed[rid], handed[rid].kv_len, covered[rid])
+                if rid in handed
+                else None
                 for rid, req in found.items()
                 if req is not None and req.phase is not Phase.FINISHED
             }
