@@ -13,6 +13,7 @@ makes transfers run at copy speed instead of paying a few microseconds per page.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -315,7 +316,7 @@ class KVPool:
         arr = as_page_array(pages)
         spans = runs(arr)
         # Runs already in ascending order (a context's pages, mostly one run) need no sort.
-        if any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:], strict=False)):
+        if any(a + n > b for (a, n), (b, _) in pairwise(spans)):
             spans = runs(np.sort(arr))
         if not spans or spans[0][0] < 0 or sum(spans[-1]) > self.num_pages:
             raise ValueError("page index out of range")
