@@ -145,14 +145,22 @@ class AsyncSocket:
                 return msg
 
     def send_multipart_nowait(
-        self, frames: Sequence[bytes | memoryview], copy: bool = True
+        self, frames: Sequence[bytes | memoryview], copy: bool = True, *, wake: bool = True
     ) -> bool:
-        """Send at once; ``False`` when the high-water mark is reached (nothing was sent)."""
+        """Send at once; ``False`` when the high-water mark is reached (nothing was sent).
+
+        The send may consume the edge of a message already queued: a task waiting to receive
+        is woken to re-check. ``wake=False`` skips that check (one ``EVENTS`` read) for a
+        caller that reads ``EVENTS`` itself right after and handles what is queued."""
         try:
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             return False
-        if (self._waiter is not None or self._waiting is not None) and has_input(self.socket):
+        if (
+            wake
+            and (self._waiter is not None or self._waiting is not None)
+            and has_input(self.socket)
+        ):
             self._wake()
         return True
 

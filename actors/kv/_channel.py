@@ -6,13 +6,18 @@ A ZMQ socket's ``FD`` is edge-triggered, and *any* operation on the socket (a se
 trio: heartbeats stalled past the peer timeout). So every send is followed by a drain of what is
 readable, and the reader task drains after every wake-up; the handler runs in whichever task
 drains, never re-entered.
+
+A drain reads ``EVENTS`` before each receive: a receive that finds nothing raises ``zmq.Again``,
+which costs twice the check, and the check that ends a drain re-arms the edge, so a parked reader
+is woken by the next message. (Hence a send skips the socket's own wake-up check: the drain right
+after it, or the one further up the stack, reads ``EVENTS`` anyway.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from actors._zmq import AsyncSocket
+from actors._zmq import AsyncSocket, has_input
 
 __all__ = ["Channel"]
 
@@ -29,18 +34,19 @@ class Channel:
         """Send without blocking (``False`` if it could not be queued), then drain."""
         if self.sock.closed:
             return False
-        sent = self.sock.send_multipart_nowait(frames)
+        sent = self.sock.send_multipart_nowait(frames, wake=False)
         self.drain()
         return sent
 
     def drain(self) -> None:
         """Hand every message already received to the handler."""
-        if self._draining or self.sock.closed:
+        sock = self.sock
+        if self._draining or sock.closed:
             return  # the drain further up the stack picks up what arrives meanwhile
         self._draining = True
         try:
-            while not self.sock.closed:
-                frames = self.sock.recv_multipart_nowait()
+            while not sock.closed and has_input(sock.socket):
+                frames = sock.recv_multipart_nowait()
                 if frames is None:
                     break
                 self._handler(frames)

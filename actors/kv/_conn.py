@@ -106,6 +106,11 @@ class PrefillConnection:
         return self.welcome is not None
 
     @property
+    def settled(self) -> bool:
+        """Welcomed and not rejected since: :meth:`wait_ready` would return at once."""
+        return self.welcome is not None and self.rejected is None
+
+    @property
     def idle(self) -> bool:
         """No room waits on this connection and no page of ours is quarantined on it."""
         return not self.rooms and not self.quarantine

@@ -28,6 +28,8 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
+from actors._backend import backend
+from actors._timeouts import Deadlines
 from actors._zmq import AsyncSocket
 from actors.kv._bootstrap import KVConfig, bootstrap_endpoint, pack_pages
 from actors.kv._checksum import page_checksums
@@ -43,6 +45,29 @@ __all__ = ["DecodeKV", "DecodeStatistics", "ExpectedChecksums", "ReceivedKV"]
 
 ExpectedChecksums = npt.NDArray[np.uint64] | Callable[[], npt.NDArray[np.uint64]]
 """The pages' expected checksums, or a callable computing them (from the request's tokens)."""
+
+# A receive drives NIXL itself unless someone (the poller, another receive) did within this
+# long: a drain's burst of receives on one event loop then polls about once per this much work,
+# not twice per receive (a poll, ``get_notifs``, costs ~30 us, an open's work ~0.2 ms).
+_RECEIVE_PROGRESS_GAP_S = 0.0002
+
+
+class _Timeout:
+    """One receive's timeout in the event loop's deadline sweep (``actors._timeouts``): no
+    timer or cancel scope per receive. Expiring only wakes the receive: the room stays
+    pending (not terminal), so its pages are quarantined as on any other failure."""
+
+    __slots__ = ("done", "expired", "pending")
+
+    def __init__(self, pending: PendingRoom) -> None:
+        self.pending = pending
+        self.done = False  # the receive is over: the sweep drops the entry
+        self.expired = False
+
+    def expire(self) -> None:
+        if not self.done:
+            self.expired = True
+            self.pending.done.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +126,8 @@ class DecodeKV:
         self._hello: Hello | None = None
         self._poke: anyio.Event | None = None
         self._changed: anyio.Event | None = None  # made by a waiter: every room changes it
+        self._deadlines: Deadlines | None = None  # the event loop's (set on entry)
+        self._progressed = 0.0  # when NIXL was last driven (time.monotonic)
         self._stats = dict.fromkeys(
             ("done", "failed", "corrupted", "bytes", "stray", "lazy", "prewarm_failed", "restarts"),
             0,
@@ -116,6 +143,7 @@ class DecodeKV:
             memory=self.pool.memory_desc(),
         )
         self._poke = anyio.Event()
+        self._deadlines = backend().deadlines
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._poll_notifications)
@@ -192,12 +220,15 @@ class DecodeKV:
             raise ValueError(f"room {room} is already being received")
         endpoint = bootstrap_endpoint(bootstrap)
         pending = PendingRoom(room, pages, anyio.Event())
+        timer = _Timeout(pending)
         start = time.perf_counter()
         try:
-            if endpoint not in self._conns:
-                self._stats["lazy"] += 1  # should have been pre-warmed with connect()
-            await self.connect(endpoint)
-            conn = self._conns[endpoint]
+            conn = self._conns.get(endpoint)
+            if conn is None or not conn.settled:
+                if conn is None:
+                    self._stats["lazy"] += 1  # should have been pre-warmed with connect()
+                await self.connect(endpoint)
+                conn = self._conns[endpoint]
             pending.conn = conn
             pending.incarnation = conn.incarnation
             self._pending[room] = pending
@@ -205,14 +236,16 @@ class DecodeKV:
             msg = TransferRequest(room=room, pages=pack_pages(pages.pages), want_checksums=verify)
             pending.sent = True
             conn.send(msg)
-            self._progress()
-            with anyio.move_on_after(self.config.receive_timeout if timeout is None else timeout):
-                await pending.done.wait()
+            self._progress(_RECEIVE_PROGRESS_GAP_S)
+            assert self._deadlines is not None
+            self._deadlines.add(self.config.receive_timeout if timeout is None else timeout, timer)
+            await pending.done.wait()
             if pending.error is not None:
                 raise pending.error
             if pending.notif is None:
                 raise KVTransferError(f"room {room}: no KV from {endpoint} in time")
-            self._progress()  # for the rooms still coming, before the caller's work on this one
+            # For the rooms still coming, before the caller's work on this one.
+            self._progress(_RECEIVE_PROGRESS_GAP_S)
             sent = np.frombuffer(pending.notif.checksums, dtype="<u8").astype(np.uint64)
             aux = pending.notif.aux
             verified = verify and self._verify(room, pages, sent, expected_checksums)
@@ -221,6 +254,7 @@ class DecodeKV:
             self._abandon(pending)
             raise
         finally:
+            timer.done = True
             self._forget(pending)
         self._stats["done"] += 1
         self._stats["bytes"] += len(pages) * self.pool.page_bytes
@@ -318,12 +352,18 @@ class DecodeKV:
         if self._poke is not None:
             self._poke.set()
 
-    def _progress(self) -> None:
-        """Drive NIXL once: UCX progress for the WRITEs coming in, and their notifications.
+    def _progress(self, gap: float = 0.0) -> None:
+        """Drive NIXL once: UCX progress for the WRITEs coming in, and their notifications;
+        skipped if that was done less than ``gap`` seconds ago.
 
-        Besides the poller, each receive calls it as it sends its page list and as its KV has
-        arrived: a burst of rooms (live migrations) is a burst of work on this event loop, and
-        the WRITEs still in flight must not wait for the poller's turn after all of it."""
+        Besides the poller, each receive calls it (with a gap) as it sends its page list and as
+        its KV has arrived: a burst of rooms (live migrations) is a burst of work on this event
+        loop, and the WRITEs still in flight must not wait for the poller's turn after all of
+        it."""
+        now = time.monotonic()
+        if now - self._progressed < gap:
+            return
+        self._progressed = now
         for sender, msgs in self.agent.get_notifs().items():
             for raw in msgs:
                 self._dispatch(sender, raw)

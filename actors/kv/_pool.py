@@ -13,6 +13,7 @@ makes transfers run at copy speed instead of paying a few microseconds per page.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,6 +57,9 @@ def as_page_array(pages: PageAllocation | PageArray | list[int] | tuple[int, ...
     """Page indices as a read-only int64 array."""
     if isinstance(pages, PageAllocation):
         return pages.pages
+    if isinstance(pages, list | tuple):
+        # Half the time of converting the sequence (a context's pages, per live migration).
+        return np.fromiter(pages, dtype=np.int64, count=len(pages))
     arr = np.ascontiguousarray(pages, dtype=np.int64)
     return arr.reshape(-1)
 
@@ -310,11 +314,14 @@ class KVPool:
     def alloc_exact(self, pages: PageArray | list[int] | tuple[int, ...]) -> PageAllocation:
         """Exactly these pages (each must be free), in this order: scattered layouts, tests."""
         arr = as_page_array(pages)
-        ordered = np.sort(arr)
-        if arr.size == 0 or ordered[0] < 0 or ordered[-1] >= self.num_pages:
+        spans = runs(arr)
+        # Runs already in ascending order (a context's pages, mostly one run) need no sort.
+        if any(a + n > b for (a, n), (b, _) in pairwise(spans)):
+            spans = runs(np.sort(arr))
+        if not spans or spans[0][0] < 0 or sum(spans[-1]) > self.num_pages:
             raise ValueError("page index out of range")
         taken: list[tuple[int, int]] = []
-        for first, count in runs(ordered):
+        for first, count in spans:
             if not self._extents.claim(first, count):
                 for f, c in taken:
                     self._extents.give(f, c)

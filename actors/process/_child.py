@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from actors._backend import backend
+from actors._backend import Backend, backend
 from actors._errors import ActorCrashed, StreamCancelled
 from actors._exit import ExitReason
 from actors._loops import run_on
@@ -138,9 +138,14 @@ class _RemoteChannel(StreamChannel):
     __slots__ = ("_batch", "_corr", "_credit", "_link", "_servers")
 
     def __init__(
-        self, link: Link, corr: int, credit: int, servers: dict[int, _RemoteChannel]
+        self,
+        backend: Backend,
+        link: Link,
+        corr: int,
+        credit: int,
+        servers: dict[int, _RemoteChannel],
     ) -> None:
-        super().__init__(backend(), 1)
+        super().__init__(backend, 1)
         self._link = link
         self._corr = corr
         self._credit = credit
@@ -204,6 +209,7 @@ class _Server:
         self.inc = inc
         self.streams: dict[int, _RemoteChannel] = {}
         self.asks: dict[int, _RemoteReply] = {}
+        self.backend = backend()  # of this event loop: looked up once, not per stream
         self.link = connect_link(endpoints, self.on_message)
 
     def on_message(self, kind: int, corr: int, body: f.Body) -> None:
@@ -214,7 +220,9 @@ class _Server:
         elif kind == f.TELL:
             mailbox.put_system((TELL, codec.decode(body), None))
         elif kind == f.STREAM:
-            channel = _RemoteChannel(self.link, corr, f.parse_count(body), self.streams)
+            channel = _RemoteChannel(
+                self.backend, self.link, corr, f.parse_count(body), self.streams
+            )
             self.streams[corr] = channel
             mailbox.put_system((STREAM, codec.decode(body[4:]), channel))
         elif kind == f.CREDIT:

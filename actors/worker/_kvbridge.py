@@ -251,21 +251,19 @@ class KVBridge:
             finally:
                 await _aclose(outputs)
 
-    async def decode(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
-        """Take the prompt's pages from prefill, then decode from them."""
+    def decode(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        """Take the prompt's pages from prefill, then decode from them: the transfer's own
+        stream (no generator of ours around it, which every output would pass through; the
+        caller closes it)."""
         bootstrap = request.bootstrap_info
         assert bootstrap is not None
+        service = self.service
 
         async def receive(pages: PageAllocation, verify: bool) -> ReceivedKV:
-            got: ReceivedKV = await self.service.receive(bootstrap, pages, verify=verify)
+            got: ReceivedKV = await service.receive(bootstrap, pages, verify=verify)
             return got
 
-        outputs = self.transfer.decode(request, receive)
-        try:
-            async for output in outputs:
-                yield output
-        finally:
-            await _aclose(outputs)
+        return self.transfer.decode(request, receive)
 
 
 def transfer_for(engine: Any, fault: Callable[[str], bool]) -> EngineTransfer:

@@ -4,6 +4,7 @@ registered once that stays quiet while nobody waits."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -13,6 +14,7 @@ import pytest
 import zmq
 
 from actors._zmq import AsyncSocket
+from actors.kv._channel import Channel
 
 pytestmark = pytest.mark.anyio
 
@@ -61,6 +63,34 @@ async def test_a_send_on_the_waiting_socket_does_not_lose_its_wake_up() -> None:
                 for _ in range(3):
                     assert await b.recv_multipart() == [b"to b"]
                 assert len(received) == i + 1
+
+
+async def test_a_channel_loses_no_message_to_its_sends() -> None:
+    # A Channel's sends skip the socket's own wake-up check: the drain after each send reads
+    # EVENTS and handles what is queued, and leaves the edge armed for the reader, which must
+    # still see what comes later while nobody sends.
+    async with pair() as (a, b):
+        handled: list[bytes] = []
+        chan = Channel(a, lambda frames: handled.append(frames[0]))
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(chan.run)
+                sent = 0
+                for round_ in range(30):
+                    await anyio.wait_all_tasks_blocked()  # the reader waits
+                    await b.send_multipart([f"{round_}-early".encode()])
+                    # Queued on ``a``, unseen by the reader (the loop is blocked) as our sends
+                    # go out and may take the FD's edge.
+                    time.sleep(0.002)  # noqa: ASYNC251
+                    for _ in range(round_ % 3):
+                        assert chan.send([b"to b"])
+                        sent += 1
+                    await b.send_multipart([f"{round_}-late".encode()])  # nobody sends now
+                    while len(handled) < 2 * (round_ + 1):
+                        await anyio.sleep(0.001)
+                tg.cancel_scope.cancel()
+            assert handled == [f"{r}-{w}".encode() for r in range(30) for w in ("early", "late")]
+            assert [await b.recv_multipart() for _ in range(sent)] == [[b"to b"]] * sent
 
 
 async def test_one_waiter_at_a_time() -> None:

@@ -150,6 +150,31 @@ async def test_corrupted_page_and_cancelled_receive(ipc_dir: str) -> None:
             assert (await peer_stats(proc))["kv"]["open_rooms"] == 0
 
 
+async def test_a_receive_times_out_and_its_pages_wait_for_prefill(ipc_dir: str) -> None:
+    # The timeout (the event loop's deadline sweep, no timer of its own) ends the receive with a
+    # migratable error; prefill still holds the room, so the pages wait (quarantined) until it
+    # confirms nothing more will be written.
+    with anyio.fail_after(40):
+        async with peer("prefill", ipc_dir) as (proc, ready), local_decode() as kv:
+            await kv.connect(ready.endpoint)
+            room = new_room()
+            await proc.call(Prefill(room=room, num_pages=8, seed=6, hold=True))
+            alloc = kv.pool.alloc(8)
+            with pytest.raises(KVTransferError, match="in time"):
+                await kv.receive(bootstrap_for(ready, room), alloc, timeout=0.05)
+            assert kv.statistics().rooms_failed == 1
+            await proc.call(Release(room=room))
+            assert not (await proc.call(WaitRoom(room=room))).ok
+            assert await kv.wait_idle(5.0)
+            assert alloc.freed and kv.pool.statistics().pages_in_use == 0
+
+            room = new_room()  # a receive that did not time out leaves nothing in the sweep
+            await proc.call(Prefill(room=room, num_pages=8, seed=7))
+            with kv.pool.alloc(8) as alloc:
+                assert (await kv.receive(bootstrap_for(ready, room), alloc, timeout=30)).verified
+            await assert_peer_clean(proc)
+
+
 async def test_prefill_killed_then_restarted_on_same_address(ipc_dir: str) -> None:
     boot = f"ipc://{ipc_dir}/bootstrap"
     with anyio.fail_after(40):

@@ -97,6 +97,13 @@ def test_runs_of_pages_in_any_order() -> None:
     with pytest.raises(ValueError, match="out of range"):
         pool.alloc_exact([2, 16])
     held.free()
+    with pytest.raises(ValueError, match="out of range"):
+        pool.alloc_exact([14, 15, 16])  # one ascending run, past the end
+    held = pool.alloc_exact((12, 13, 0, 1))  # runs out of order: kept in the given order
+    assert held.pages.tolist() == [12, 13, 0, 1] and pool.statistics().pages_in_use == 4
+    with pytest.raises(KVPoolExhausted):
+        pool.alloc_exact(np.array([1, 2]))
+    held.free()
     assert pool.statistics().pages_in_use == 0 and len(pool.alloc_exact([1, 5])) == 2
 
 
