@@ -258,9 +258,11 @@ async def test_an_overlapped_check_runs_with_the_first_step() -> None:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["checked", "overlapped"])
 async def test_kv_whose_hash_is_not_its_tokens_fails(overlap: bool) -> None:
+    # Timed steps: overlapped, the check (and m1's end) falls inside a step in flight.
+    timed = TimingModel(speedup=20.0)
     async with (
         MockEngine(config()) as source,
-        MockEngine(config(role="decode")) as target,
+        MockEngine(config(role="decode", timing=timed)) as target,
     ):
         pages, done = await _handed_over(source)
         lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]
