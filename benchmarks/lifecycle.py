@@ -17,10 +17,13 @@ Prints a table, then one JSON line with live_migration_gap_ms_p50,
 live_migration_first_gap_ms_p50, replay_migration_gap_ms_p50 (the full re-prefill),
 replay_cached_migration_gap_ms_p50, normal_token_gap_ms_p50, live_migration_extra_ms_p50 (the
 live gap beyond the request's own median token gap; live_migration_extra_ms_1_inflight: the same
-for a drain with one request in flight, median of three), drain_s_16_inflight (the live drain; 8 in
-flight with --quick), drain_replay_s, release_overhead_ms and resume_overhead_ms (medians of a
-lifecycle release or resume of decode-1's KV cache and weights, less the engine's own release
-or resume call in it).
+for a drain with one request in flight, median of three), live_write_ms_sum and
+live_write_ms_mean (that live drain's KV WRITEs, each from its posting to NIXL's DONE as the
+draining worker saw it: summed, and per WRITE; they overlap each other and the rest of the
+drain, so neither is a term of the gap), drain_s_16_inflight (the live drain; 8 in flight
+with --quick), drain_replay_s, release_overhead_ms and resume_overhead_ms (medians of a lifecycle
+release or resume of decode-1's KV cache and weights, less the engine's own release or resume
+call in it).
 """
 
 from __future__ import annotations
@@ -112,17 +115,32 @@ class Bench:
             table.set_draining("decode-1", False)
             if flush:
                 assert await self.engine("prefill-0").ask(control.FlushCache())
+            wrote = await self.writes("decode-0")
             drained_at = time.perf_counter()
             await self.lifecycle.ask(DrainWorker("decode-0", live=live), timeout=None)
             drain_s = time.perf_counter() - drained_at
         await self.lifecycle.ask(UndrainWorker("decode-0"), timeout=None)
+        # The WRITEs are over once every request continued elsewhere (they did, above).
+        write_s, writes = await self.writes("decode-0")
         migration, normal = [], []
         for times in streams:
             gaps = [(b - a, b) for a, b in itertools.pairwise(times)]
             around = [g for g, end in gaps if drained_at < end < drained_at + WINDOW_S]
             migration.append(max(around))
             normal.append(statistics.median(g for g, _ in gaps))
-        return {"migration": migration, "normal": normal, "drain_s": drain_s}
+        return {
+            "migration": migration,
+            "normal": normal,
+            "drain_s": drain_s,
+            "write_s": write_s - wrote[0],
+            "writes": writes - wrote[1],
+        }
+
+    async def writes(self, worker: str) -> tuple[float, int]:
+        """The KV WRITEs ``worker``'s hand-overs made so far: their time, each from its posting
+        to DONE, summed, and how many (one per live hand-over)."""
+        stats: control.EngineStats = await self.engine(worker).ask(control.GetStats())
+        return stats.kv_write_seconds, stats.handovers_live
 
     async def release_resume(self, reps: int) -> tuple[list[float], list[float]]:
         """Lifecycle release and resume times of decode-1 less the engine's own release or
@@ -184,6 +202,8 @@ async def measure(quick: bool) -> dict[str, float]:
             r["migration"][0] - r["normal"][0] for r in alone
         )
         * 1e3,
+        "live_write_ms_sum": live["write_s"] * 1e3,
+        "live_write_ms_mean": live["write_s"] * 1e3 / max(1, live["writes"]),
         "drain_s_16_inflight": live["drain_s"],
         "drain_replay_s": cold["drain_s"],
         "release_overhead_ms": statistics.median(release) * 1e3,
@@ -214,6 +234,12 @@ def main() -> None:
             r["live_migration_extra_ms_1_inflight"],
             "median of 3 drains",
         ),
+        (
+            "  the drain's KV WRITEs, summed (ms)",
+            r["live_write_ms_sum"],
+            "posting to DONE; they overlap",
+        ),
+        ("  ... per WRITE (ms)", r["live_write_ms_mean"], "one context's"),
         ("token-replay gap p50 (ms)", r["replay_migration_gap_ms_p50"], "context prefilled again"),
         (
             "token-replay gap p50, prefix cached (ms)",

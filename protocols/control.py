@@ -159,6 +159,7 @@ class EngineStats:
     handovers_live: int = 0  # drained requests offered to the next worker with their KV
     handovers_replay: int = 0  # drained requests aborted for token replay
     handovers_open: int = 0  # live hand-overs whose KV has not been read (or given up) yet
+    kv_write_seconds: float = 0.0  # its KV's WRITEs (prefill, hand-overs), posting to DONE, summed
     transfer_pages: int = 0  # pages the KV bridge holds for transfers now (0 when idle)
     # Of ``running``, those that have streamed an output (not waiting to prefill, or for the
     # KV of a disaggregated request).

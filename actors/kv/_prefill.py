@@ -72,6 +72,7 @@ class PrefillStatistics:
     descriptors_sent: int
     peers_lost: int
     peers_replaced: int
+    write_seconds: float  # the WRITEs done, each from its posting to NIXL's DONE, summed
 
 
 class PrefillKV:
@@ -109,6 +110,7 @@ class PrefillKV:
         self._inflight = 0
         self._changed: anyio.Event | None = None
         self._stats = {"done": 0, "failed": 0, "bytes": 0, "descs": 0, "lost": 0, "replaced": 0}
+        self._write_s = 0.0
 
     async def __aenter__(self) -> PrefillKV:
         self._changed = anyio.Event()
@@ -190,6 +192,7 @@ class PrefillKV:
             descriptors_sent=s["descs"],
             peers_lost=s["lost"],
             peers_replaced=s["replaced"],
+            write_seconds=self._write_s,
         )
 
     # -- the channel ----------------------------------------------------------------------------
@@ -396,10 +399,11 @@ class PrefillKV:
             self._forget(peer)
         self._notify()
 
-    def _room_done(self, room: PrefillRoom, nbytes: int, descs: int) -> None:
+    def _room_done(self, room: PrefillRoom, nbytes: int, descs: int, seconds: float) -> None:
         self._stats["done"] += 1
         self._stats["bytes"] += nbytes
         self._stats["descs"] += descs
+        self._write_s += seconds
         if room.request is not None:
             room.request.peer.rooms.discard(room.room)
         if room._close_requested:

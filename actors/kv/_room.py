@@ -211,7 +211,7 @@ class PrefillRoom:
             raise
         self.state = RoomState.DONE
         kv._transfer_ended(req.peer)
-        kv._room_done(self, nbytes, ndescs)
+        kv._room_done(self, nbytes, ndescs, seconds)
         return TransferResult(
             room=self.room, pages=pages, nbytes=nbytes, descriptors=ndescs, seconds=seconds
         )

@@ -192,6 +192,7 @@ class EngineHost(Actor):
                     handovers_live=self._handovers["live"],
                     handovers_replay=self._handovers["replay"],
                     handovers_open=self.bridge.handovers_open if self.bridge else 0,
+                    kv_write_seconds=self.bridge.write_seconds() if self.bridge else 0.0,
                     transfer_pages=self.bridge.transfer_pages() if self.bridge else 0,
                 )
             case _:

@@ -187,6 +187,15 @@ class KVBridge:
         """Pages the bridge holds for transfers now (received, quarantined); 0 when idle."""
         return self.pool.statistics().pages_in_use if self.pool is not None else 0
 
+    def write_seconds(self) -> float:
+        """The WRITEs this worker's KV went out in (a prefill's, a drain's hand-overs), each
+        from its posting to NIXL's DONE, summed."""
+        sending = self.service if self.role == "prefill" else self.source
+        if sending is None:
+            return 0.0
+        seconds: float = sending.statistics().write_seconds
+        return seconds
+
     @property
     def handovers_open(self) -> int:
         return len(self._handovers)

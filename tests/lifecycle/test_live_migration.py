@@ -101,6 +101,8 @@ async def test_live_migration_of_16_running_requests_needs_no_prefill() -> None:
     assert [r["usage"] for r in got] == [r["usage"] for r in expected]
     assert after["decode-0"].handovers_live == 16 and after["decode-0"].handovers_replay == 0
     assert (_live("success") - success, _live("fallback") - fallback) == (16, 0)
+    # The hand-overs' WRITEs went out from decode-0 (their time, posting to DONE, counted).
+    assert after["decode-0"].kv_write_seconds > before["decode-0"].kv_write_seconds
     # No re-prefill anywhere: the target took the KV (the whole context, every token but the
     # last of each request) and computed nothing by prefill; the prefill worker saw nothing new.
     for worker in ("prefill-0", "decode-1"):
