@@ -160,11 +160,11 @@ class LoopMixin:
         self._arrived.clear()
         self._gather_until = None
 
-    def _gather(self, decoders: int, seconds: float) -> bool:
+    def _gather(self, decoders: int) -> bool:
         """Whether to hold back a step that would decode only live migrations that just
         arrived while the KV of more of them (a drain's) is still on its way: so they start
         together, instead of the late ones waiting out a step run for the first few. The
-        first wait at most ``seconds``: as long as the step they all take together (a step
+        first wait at most as long as the step they all take together, their KV counted (a step
         started without the late ones makes them wait up to its length, then their own).
         Measured on a GPU host: capped at the first few's shorter step, the hold ran out with
         5 of 16 contexts landing within the next millisecond, which then waited 14 ms."""
@@ -176,7 +176,9 @@ class LoopMixin:
             return False
         now = anyio.current_time()
         if self._gather_until is None:
-            self._gather_until = now + seconds
+            cfg = self.cfg
+            together = cfg.timing.step_seconds(0, True, self.pool.used / cfg.num_blocks)
+            self._gather_until = now + together
         if now < self._gather_until:
             return True
         self._gather_until = None

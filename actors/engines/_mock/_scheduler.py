@@ -374,10 +374,7 @@ class RankScheduler(LoopMixin):
         waiting_kv = sum(len(r.blocks) for r in self.running if r.phase is Phase.AWAITING_KV)
         frac = (self.pool.used - waiting_kv) / cfg.num_blocks
         seconds = cfg.timing.step_seconds(prefill, bool(decode), frac)
-        # Held for the rest of a drain's live migrations at most as long as the step they then
-        # all take (their KV counted), not the shorter one of the first to land alone.
-        together = cfg.timing.step_seconds(0, True, self.pool.used / cfg.num_blocks)
-        if not chunks and self._gather(decode, together):
+        if not chunks and self._gather(decode):
             return None
         return chunks, self.batch.hi if decode else 0, seconds, prefill, decode, frac
 
