@@ -77,6 +77,11 @@ async def _drain_running(
             tg.start_soon(load)
             with anyio.fail_after(30):
                 await started.wait()
+                # A first token comes from the prefill while the KV may still be on its way to
+                # decode-0 (seen under a full suite's load: 4 of 16 not yet decoding there, so
+                # handed over for replay): wait until decode-0 streams every one.
+                while (await tree.engine_stats("decode-0")).streaming < len(prompts):
+                    await anyio.sleep(0.01)
             table.set_draining("decode-1", False)
             before.update({w: await tree.engine_stats(w) for w in tree.serving.roles})
             assert before["decode-0"].running == len(prompts)
