@@ -24,5 +24,8 @@ def default_loop() -> Literal["asyncio", "uvloop"]:
 def run_on(loop: str, func: Callable[..., Awaitable[T]], *args: Any) -> T:
     """``anyio.run(func, *args)`` on ``loop``."""
     if loop == "uvloop":
-        return anyio.run(func, *args, backend="asyncio", backend_options={"use_uvloop": True})
+        from actors._uvloop import Loop  # here: uvloop is an optional extra
+
+        options = {"loop_factory": Loop}
+        return anyio.run(func, *args, backend="asyncio", backend_options=options)
     return anyio.run(func, *args, backend=loop)

@@ -5,38 +5,48 @@ migration vs token replay), drain time, and release/resume orchestration overhea
 
 A disaggregated serving tree runs in this process (one prefill and two decode mock engines in
 child processes, the default timing model, KV over NIXL). Requests with a 4k-token context all
-decode on decode-0, which is then drained under them: twice with live KV migration (the
-default; the first is the worker pair's first hand-over, reported apart), with token replay
+decode on decode-0, which is then drained under them: four times with live KV migration (the
+default; the first is the worker pair's first hand-over, reported apart; the other three are
+pooled: a drain's requests move together, so one drain is one sample more than sixteen), with
+token replay
 (``live=False``) while the prefill worker still caches the contexts, with token replay after
 its cache was flushed (the whole context is prefilled again), and three times more with live
 migration of a lone request. A request's migration gap is its longest client-side token gap
-around the drain. The HTTP client runs in the serving process too (as in every benchmark
-here), so on a small machine concurrent migrations queue for its CPU.
+around the drain. The clients are a process of their own (``benchmarks._stream_client``: one
+thread and connection per stream), as a server's clients are; until 2026-11-22 they were an
+httpx client in the serving process, whose parsing of every stream's chunks shared the root's
+event loop with the drain's work (figures before that date are not comparable).
 
 Prints a table, then one JSON line with live_migration_gap_ms_p50,
 live_migration_first_gap_ms_p50, replay_migration_gap_ms_p50 (the full re-prefill),
 replay_cached_migration_gap_ms_p50, normal_token_gap_ms_p50, live_migration_extra_ms_p50 (the
-live gap beyond the request's own median token gap; live_migration_extra_ms_1_inflight: the same
+live gap beyond the request's own median token gap, over the three drains;
+live_migration_extra_ms_p50_per_drain: each drain's; live_migration_extra_ms_1_inflight: the same
 for a drain with one request in flight, median of three), live_write_ms_sum and
-live_write_ms_mean (that live drain's KV WRITEs, each from its posting to NIXL's DONE as the
-draining worker saw it: summed, and per WRITE; they overlap each other and the rest of the
-drain, so neither is a term of the gap), drain_s_16_inflight (the live drain; 8 in flight
-with --quick), drain_replay_s, release_overhead_ms and resume_overhead_ms (medians of a lifecycle
-release or resume of decode-1's KV cache and weights, less the engine's own release or resume
-call in it).
+live_write_ms_mean (a live drain's KV WRITEs, each from its posting to NIXL's DONE as the
+draining worker saw it: summed (median drain), and per WRITE; they overlap each other and the
+rest of the drain, so neither is a term of the gap), drain_s_16_inflight (median live drain; 8
+in flight with --quick), drain_replay_s, release_overhead_ms and resume_overhead_ms (medians
+of a lifecycle release or resume of decode-1's KV cache and weights, less the engine's own
+release or resume call in it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
+import json
 import statistics
+import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-import httpx
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from actors import ActorRef, current_registry
 from actors.engines._mock._kvmem import resolve_device
@@ -59,35 +69,49 @@ ENGINE: dict[str, Any] = {
 }
 CONTEXT = "context " * 512  # ~4k tokens with the byte tokenizer
 MAX_TOKENS = 200
+LIVE_DRAINS = 3  # live drains pooled for the live figures (one drain's requests move together)
 WINDOW_S = 2.0  # the migration gap ends within this long after the drain started
 
 
-async def _stream(
-    client: httpx.AsyncClient, prompt: str, times: list[float], started: list[anyio.Event]
-) -> None:
-    """Stream ``prompt``, noting when each chunk arrives; sets and drops ``started[0]`` after
-    the third chunk."""
-    body = {
-        "model": "mock",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "stream": True,
-    }
-    async with client.stream("POST", "/v1/completions", json=body, timeout=300) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            times.append(time.perf_counter())
-            if len(times) == 3:
-                started.pop().set()
+class _Clients:
+    def __init__(self, process: Process, stdout: BufferedByteReceiveStream) -> None:
+        self._process = process
+        self._stdout = stdout
+
+    async def line(self) -> bytes:
+        try:
+            return await self._stdout.receive_until(b"\n", 1 << 24)
+        except (anyio.IncompleteRead, anyio.EndOfStream):
+            raise RuntimeError("the stream client failed (its error is above)") from None
+
+    async def times(self) -> list[list[float]]:
+        """Each stream's chunk arrival times, once every stream ended."""
+        with anyio.fail_after(300):
+            times: list[list[float]] = json.loads(await self.line())
+            await self._process.wait()
+        return times
+
+
+@contextlib.asynccontextmanager
+async def _clients(port: int, prompts: list[str]) -> AsyncIterator[_Clients]:
+    """Streams of ``prompts`` from a client process of their own (``benchmarks._stream_client``),
+    each past its third chunk when this yields."""
+    args = [sys.executable, "-m", "benchmarks._stream_client", str(port), str(MAX_TOKENS)]
+    async with await anyio.open_process(args, stderr=None) as process:
+        assert process.stdin is not None and process.stdout is not None
+        await process.stdin.send(json.dumps(prompts).encode())
+        await process.stdin.aclose()
+        clients = _Clients(process, BufferedByteReceiveStream(process.stdout))
+        with anyio.fail_after(120):
+            line = await clients.line()
+        if line != b"started":
+            raise RuntimeError(f"the stream client said {line[:200]!r}, not started")
+        yield clients
 
 
 class Bench:
-    def __init__(self, serving: Serving, client: httpx.AsyncClient, inflight: int) -> None:
+    def __init__(self, serving: Serving, inflight: int) -> None:
         self.serving = serving
-        self.client = client
         self.inflight = inflight
         lifecycle = current_registry().whereis("lifecycle")
         assert lifecycle is not None
@@ -103,15 +127,9 @@ class Bench:
     ) -> dict[str, Any]:
         """Start ``inflight`` requests on decode-0, drain it under them, wait for them."""
         table = self.serving.table
-        streams: list[list[float]] = [[] for _ in range(inflight or self.inflight)]
-        started = [anyio.Event() for _ in streams]
-        async with anyio.create_task_group() as tg:
-            table.set_draining("decode-1", True)  # every request starts on decode-0
-            for i, times in enumerate(streams):
-                tg.start_soon(_stream, self.client, f"{tag} {i} {CONTEXT}", times, started)
-            with anyio.fail_after(120):
-                for event in list(started):
-                    await event.wait()
+        prompts = [f"{tag} {i} {CONTEXT}" for i in range(inflight or self.inflight)]
+        table.set_draining("decode-1", True)  # every request starts on decode-0
+        async with _clients(self.serving.port, prompts) as clients:
             table.set_draining("decode-1", False)
             if flush:
                 assert await self.engine("prefill-0").ask(control.FlushCache())
@@ -119,6 +137,7 @@ class Bench:
             drained_at = time.perf_counter()
             await self.lifecycle.ask(DrainWorker("decode-0", live=live), timeout=None)
             drain_s = time.perf_counter() - drained_at
+            streams = await clients.times()
         await self.lifecycle.ask(UndrainWorker("decode-0"), timeout=None)
         # The WRITEs are over once every request continued elsewhere (they did, above).
         write_s, writes = await self.writes("decode-0")
@@ -165,7 +184,7 @@ def _stage_seconds(operation: str, stage: str) -> float:
     return value
 
 
-async def measure(quick: bool) -> dict[str, float]:
+async def measure(quick: bool) -> dict[str, Any]:
     config = ServeConfig(
         model="mock",
         backend="mock",
@@ -181,15 +200,17 @@ async def measure(quick: bool) -> dict[str, float]:
     async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)):
         await serving.table.wait_routable(3)
         gc.freeze()  # as run_root does once the tree is up
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{serving.port}") as client:
-            bench = Bench(serving, client, 8 if quick else 16)
-            first = await bench.drain("first", live=True)  # these two workers' first hand-over
-            live = await bench.drain("live", live=True)
-            cached = await bench.drain("cached", live=False)
-            cold = await bench.drain("cold", live=False, flush=True)
-            alone = [await bench.drain(f"alone{i}", live=True, inflight=1) for i in range(3)]
-            release, resume = await bench.release_resume(5 if quick else 15)
-    extra = [m - n for m, n in zip(live["migration"], live["normal"], strict=True)]
+        bench = Bench(serving, 8 if quick else 16)
+        first = await bench.drain("first", live=True)  # these two workers' first hand-over
+        lives = [await bench.drain(f"live{i}", live=True) for i in range(LIVE_DRAINS)]
+        cached = await bench.drain("cached", live=False)
+        cold = await bench.drain("cold", live=False, flush=True)
+        alone = [await bench.drain(f"alone{i}", live=True, inflight=1) for i in range(3)]
+        release, resume = await bench.release_resume(5 if quick else 15)
+    extras = [
+        [m - n for m, n in zip(live["migration"], live["normal"], strict=True)] for live in lives
+    ]
+    live = {key: [value for r in lives for value in r[key]] for key in ("migration", "normal")}
     normal = [*live["normal"], *cached["normal"], *cold["normal"]]
     return {
         "live_migration_gap_ms_p50": percentile(live["migration"], 50) * 1e3,
@@ -197,14 +218,17 @@ async def measure(quick: bool) -> dict[str, float]:
         "replay_migration_gap_ms_p50": percentile(cold["migration"], 50) * 1e3,
         "replay_cached_migration_gap_ms_p50": percentile(cached["migration"], 50) * 1e3,
         "normal_token_gap_ms_p50": percentile(normal, 50) * 1e3,
-        "live_migration_extra_ms_p50": percentile(extra, 50) * 1e3,
+        "live_migration_extra_ms_p50": percentile([e for x in extras for e in x], 50) * 1e3,
+        "live_migration_extra_ms_p50_per_drain": [percentile(x, 50) * 1e3 for x in extras],
         "live_migration_extra_ms_1_inflight": statistics.median(
             r["migration"][0] - r["normal"][0] for r in alone
         )
         * 1e3,
-        "live_write_ms_sum": live["write_s"] * 1e3,
-        "live_write_ms_mean": live["write_s"] * 1e3 / max(1, live["writes"]),
-        "drain_s_16_inflight": live["drain_s"],
+        "live_write_ms_sum": statistics.median(r["write_s"] for r in lives) * 1e3,
+        "live_write_ms_mean": sum(r["write_s"] for r in lives)
+        * 1e3
+        / max(1, sum(r["writes"] for r in lives)),
+        "drain_s_16_inflight": statistics.median(r["drain_s"] for r in lives),
         "drain_replay_s": cold["drain_s"],
         "release_overhead_ms": statistics.median(release) * 1e3,
         "resume_overhead_ms": statistics.median(resume) * 1e3,
@@ -215,7 +239,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 requests in flight (under 60 s)")
     args = parser.parse_args()
-    r: dict[str, Any] = {k: round(v, 3) for k, v in anyio.run(measure, args.quick).items()}
+    r: dict[str, Any] = {
+        k: [round(x, 3) for x in v] if isinstance(v, list) else round(v, 3)
+        for k, v in anyio.run(measure, args.quick).items()
+    }
     r["kv_device"] = resolve_device("auto")  # the engines' default: VRAM where a GPU is present
     rows = [
         ("live KV migration gap p50 (ms)", r["live_migration_gap_ms_p50"], "4k context"),

@@ -7,11 +7,18 @@ no served model (so bad requests cannot blow up the label cardinality).
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 import weakref
-from typing import Any, ClassVar
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 __all__ = ["FrontendMetrics", "RequestMetrics"]
 
@@ -30,6 +37,8 @@ _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 6553
 #: rest when it ends): one locked update per step instead of one per output (four Python calls
 #: and a lock per streamed chunk). The counter lags a running request by fewer tokens than this.
 OUTPUT_TOKENS_STEP = 32
+#: How prometheus_client writes a bucket's bound (``1.0``, ``+Inf``); untyped there.
+_le = cast(Callable[[float], str], floatToGoString)
 
 
 class FrontendMetrics:
@@ -73,12 +82,12 @@ class FrontendMetrics:
             buckets=_TTFT_BUCKETS,
             registry=registry,
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogram(
             name("inter_token_latency_seconds"),
             "Time between streamed outputs, per token.",
-            ["model"],
-            buckets=_ITL_BUCKETS,
-            registry=registry,
+            "model",
+            _ITL_BUCKETS,
+            registry,
         )
         self.duration = Histogram(
             name("request_duration_seconds"),
@@ -145,6 +154,64 @@ class FrontendMetrics:
         if child is None:
             child = self._outcomes[key] = self.requests.labels(*key)
         return child
+
+
+class LoopHistogram(Collector):
+    """A histogram for the per-chunk path, observed from the event loop's thread only (the
+    frontend's, which also renders ``/metrics``): no lock, and one bisect per observation instead
+    of prometheus_client's Python walk over the buckets and two locked updates (together a
+    sixth of the root's Python calls per streamed chunk). Exposed as a ``Histogram`` of one label
+    is (same name, type, buckets and samples, less ``_created``)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelname: str,
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelname = labelname
+        self._bounds = (*buckets, math.inf)
+        self._series: dict[str, LoopHistogramSeries] = {}
+        registry.register(self)
+
+    def labels(self, value: str) -> LoopHistogramSeries:
+        series = self._series.get(value)
+        if series is None:
+            series = self._series[value] = LoopHistogramSeries(self._bounds)
+        return series
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self._name, self._documentation, labels=[self._labelname])
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = self._family()
+        bounds = [_le(bound) for bound in self._bounds]
+        for value, series in self._series.items():
+            cumulative = itertools.accumulate(series.counts)
+            family.add_metric([value], list(zip(bounds, cumulative, strict=True)), series.sum)
+        yield family
+
+
+class LoopHistogramSeries:
+    """One label value's buckets of a :class:`LoopHistogram`."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self._bounds, amount)] += 1
+        self.sum += amount
 
 
 class _ModelSeries:

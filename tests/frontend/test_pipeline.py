@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from actors.frontend import ByteTokenizer
 from actors.frontend._chunks import ChatRenderer, CompletionRenderer, _ChatChunkChoice, _ChatDelta
+from actors.frontend._metrics import LoopHistogram
 from actors.frontend._pipeline import Choice, StopMatcher
 from protocols.engine import EngineOutput, Usage
 from protocols.errors import EngineFailure, RequestCancelled
@@ -139,3 +141,24 @@ def test_delta_frames_are_the_chunk_encoded_whole(
 def _chat_choice(text: str, finish: str | None) -> Any:
     delta = _ChatDelta(content=text) if text else _ChatDelta()
     return _ChatChunkChoice(0, delta, None, finish)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=10, allow_nan=False), max_size=50))
+def test_loop_histogram_exposes_what_prometheus_clients_histogram_does(
+    samples: list[float],
+) -> None:
+    # Bounds hit exactly (le is inclusive), between, and past the last one.
+    samples = [*samples, 0.0001, 0.001, 2.5, 11.0]
+    buckets = (0.0001, 0.00025, 0.001, 0.01, 1, 2.5)
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("x_seconds", "doc", ["model"], buckets=buckets, registry=theirs)
+    loop = LoopHistogram("x_seconds", "doc", "model", buckets, ours)
+    for sample in samples:
+        reference.labels("m").observe(sample)
+        loop.labels("m").observe(sample)
+
+    def lines(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return [line for line in text.splitlines() if "_created" not in line]
+
+    assert lines(ours) == lines(theirs)
