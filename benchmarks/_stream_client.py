@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from benchmarks._stdlib_client import completion_body, post_stream
+
 STARTED_AFTER = 3  # chunks each stream has before the caller is told ``started``
 
 
@@ -37,21 +39,9 @@ class Countdown:
 
 
 def stream(port: int, prompt: str, max_tokens: int, times: list[float], third: Countdown) -> None:
-    body = json.dumps(
-        {
-            "model": "mock",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
-    ).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     try:
-        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        response = post_stream(conn, completion_body(prompt, max_tokens))
         while line := response.readline():
             if line.startswith(b"data: {"):
                 times.append(time.perf_counter())

@@ -17,28 +17,17 @@ import json
 import sys
 import time
 
+from benchmarks._stdlib_client import completion_body, post_stream
+
 
 def ttfts(port: int, count: int, warmup: int, max_tokens: int, prompt: str) -> list[float]:
-    body = json.dumps(
-        {
-            "model": "mock",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
-    ).encode()
-    headers = {"content-type": "application/json"}
+    body = completion_body(prompt, max_tokens)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     out: list[float] = []
     try:
         for i in range(warmup + count):
             start = time.perf_counter()
-            # Headers and a bytes body go out in one send (http.client joins them).
-            conn.request("POST", "/v1/completions", body, headers)
-            response = conn.getresponse()
-            if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+            response = post_stream(conn, body)
             first = -1.0
             while line := response.readline():
                 if first < 0 and line.startswith(b"data: {"):
