@@ -102,11 +102,15 @@ async def _clients(port: int, prompts: list[str]) -> AsyncIterator[_Clients]:
         await process.stdin.send(json.dumps(prompts).encode())
         await process.stdin.aclose()
         clients = _Clients(process, BufferedByteReceiveStream(process.stdout))
-        with anyio.fail_after(120):
-            line = await clients.line()
-        if line != b"started":
-            raise RuntimeError(f"the stream client said {line[:200]!r}, not started")
-        yield clients
+        try:
+            with anyio.fail_after(120):
+                line = await clients.line()
+            if line != b"started":
+                raise RuntimeError(f"the stream client said {line[:200]!r}, not started")
+            yield clients
+        except BaseException:
+            process.kill()  # else leaving waits for its streams to end
+            raise
 
 
 class Bench:
