@@ -159,9 +159,9 @@ class FrontendMetrics:
 class LoopHistogram(Collector):
     """A histogram for the per-chunk path, observed from the event loop's thread only (the
     frontend's, which also renders ``/metrics``): no lock, and one bisect per observation instead
-    of prometheus_client's Python walk over the buckets and two locked updates (together a
-    sixth of the root's Python calls per streamed chunk). Exposed as a ``Histogram`` of one label
-    is (same name, type, buckets and samples, less ``_created``)."""
+    of prometheus_client's Python walk over the buckets and two locked updates (the root's
+    Python calls per streamed chunk went from 56 to 49). Exposed as a one-label ``Histogram``
+    is: the same name, type, buckets and samples, less ``_created``."""
 
     def __init__(
         self,
