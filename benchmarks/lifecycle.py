@@ -7,15 +7,15 @@ A disaggregated serving tree runs in this process (one prefill and two decode mo
 child processes, the default timing model, KV over NIXL). Requests with a 4k-token context all
 decode on decode-0, which is then drained under them: four times with live KV migration (the
 default; the first is the worker pair's first hand-over, reported apart; the other three are
-pooled: a drain's requests move together, so one drain is one sample more than sixteen), with
-token replay
-(``live=False``) while the prefill worker still caches the contexts, with token replay after
-its cache was flushed (the whole context is prefilled again), and three times more with live
-migration of a lone request. A request's migration gap is its longest client-side token gap
-around the drain. The clients are a process of their own (``benchmarks._stream_client``: one
-thread and connection per stream), as a server's clients are; until 2026-11-22 they were an
-httpx client in the serving process, whose parsing of every stream's chunks shared the root's
-event loop with the drain's work (figures before that date are not comparable).
+pooled: a drain's requests move together, so one drain is nearer one sample than sixteen), with
+token replay (``live=False``) while the prefill worker still caches the contexts, with token
+replay after its cache was flushed (the whole context is prefilled again), and three times more
+with live migration of a lone request. A request's migration gap is its longest client-side
+token gap around the drain. The clients are a process of their own
+(``benchmarks._stream_client``: one thread and connection per stream), as a server's clients
+are; until 2026-11-22 they were an httpx client in the serving process, whose parsing of every
+stream's chunks shared the root's event loop with the drain's work (figures before that date are
+not comparable).
 
 Prints a table, then one JSON line with live_migration_gap_ms_p50,
 live_migration_first_gap_ms_p50, replay_migration_gap_ms_p50 (the full re-prefill),
@@ -211,13 +211,11 @@ async def measure(quick: bool) -> dict[str, Any]:
         cold = await bench.drain("cold", live=False, flush=True)
         alone = [await bench.drain(f"alone{i}", live=True, inflight=1) for i in range(3)]
         release, resume = await bench.release_resume(5 if quick else 15)
-    extras = [
-        [m - n for m, n in zip(live["migration"], live["normal"], strict=True)] for live in lives
-    ]
-    live = {key: [value for r in lives for value in r[key]] for key in ("migration", "normal")}
-    normal = [*live["normal"], *cached["normal"], *cold["normal"]]
+    extras = [[m - n for m, n in zip(r["migration"], r["normal"], strict=True)] for r in lives]
+    pooled = {key: [value for r in lives for value in r[key]] for key in ("migration", "normal")}
+    normal = [*pooled["normal"], *cached["normal"], *cold["normal"]]
     return {
-        "live_migration_gap_ms_p50": percentile(live["migration"], 50) * 1e3,
+        "live_migration_gap_ms_p50": percentile(pooled["migration"], 50) * 1e3,
         "live_migration_first_gap_ms_p50": percentile(first["migration"], 50) * 1e3,
         "replay_migration_gap_ms_p50": percentile(cold["migration"], 50) * 1e3,
         "replay_cached_migration_gap_ms_p50": percentile(cached["migration"], 50) * 1e3,
