@@ -126,6 +126,13 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     The terminal output has ``finish_reason`` set and carries ``usage``; ``error`` holds the
     message when ``finish_reason == "error"``. A prefill worker's first output carries
     ``disaggregated_params`` (the bootstrap triple decode needs).
+
+    A draining decode worker's output that is not terminal may carry ``disaggregated_params``
+    too: an offer of the request's KV (live migration), sent as the drain begins, before the
+    stream ends with ``WorkerDraining``. ``handover_tokens`` then says how many tokens of the
+    request's sequence (its ``token_ids``, then its output tokens) the offered KV will hold, so
+    that the next decode worker can be asked for the continuation while the draining engine's
+    step in flight still runs.
     """
 
     token_ids: list[int] = msgspec.field(default_factory=list)
@@ -133,6 +140,7 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None
     usage: Usage | None = None
     disaggregated_params: BootstrapInfo | None = None
+    handover_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ makes transfers run at copy speed instead of paying a few microseconds per page.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
@@ -67,7 +68,7 @@ def as_page_array(pages: PageAllocation | PageArray | list[int] | tuple[int, ...
 class PageAllocation:
     """Pages held from a pool until :meth:`free` (idempotent; also on context exit)."""
 
-    __slots__ = ("_freed", "_runs", "pages", "pool")
+    __slots__ = ("_freed", "_on_free", "_runs", "pages", "pool")
 
     def __init__(
         self, pool: KVPool, pages: PageArray, runs: list[tuple[int, int]] | None = None
@@ -77,6 +78,7 @@ class PageAllocation:
         self.pages: PageArray = pages
         self._runs = runs  # the pages as sorted runs, if the allocation worked them out
         self._freed = False
+        self._on_free: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return int(self.pages.size)
@@ -90,6 +92,17 @@ class PageAllocation:
         if not self._freed:
             self._freed = True
             self.pool._release(self)
+            on_free, self._on_free = self._on_free, None
+            if on_free is not None:
+                on_free()
+
+    def on_free(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the pages are freed (at once if they are): an engine that
+        shares the pool's memory keeps them out of its own use until then."""
+        if self._freed:
+            callback()
+        else:
+            self._on_free = callback
 
     def __enter__(self) -> PageAllocation:
         return self

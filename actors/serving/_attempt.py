@@ -12,6 +12,7 @@ one side at a time, never by both.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "Begin",
     "Finish",
     "Handover",
+    "Prepare",
     "Progress",
     "RequestOutputs",
     "Retry",
@@ -78,6 +80,7 @@ class Attempt:
 
     __slots__ = (
         "_model",
+        "_owner",
         "_stall",
         "_timeout",
         "finished",
@@ -98,6 +101,7 @@ class Attempt:
         model: str,
         stall_timeout: float,
         request_timeout: float,
+        owner: ActorRef[Any] | None = None,
     ) -> None:
         self.routed = routed
         self.request = request
@@ -108,6 +112,7 @@ class Attempt:
         self._model = model
         self._stall = stall_timeout
         self._timeout = request_timeout
+        self._owner = owner  # the request stream, told of an offer (:class:`Prepare`)
 
     async def receive(self) -> EngineOutput:
         """The next output for the client (empty ones are skipped)."""
@@ -141,6 +146,9 @@ class Attempt:
 
     def accept(self, output: EngineOutput) -> EngineOutput | None:
         """The request stream's rules for one engine output: what the client gets of it."""
+        if output.disaggregated_params is not None and not output.finished:
+            # A draining decode worker: where this request's KV waits for us.
+            return self._offered(output)
         progress = self.progress
         if progress.failed_at is not None:
             MIGRATION_SECONDS.labels(self._model, progress.migration_type, "success").observe(
@@ -151,15 +159,37 @@ class Attempt:
             output = _drop_repeated(output, progress.generated)
             LIVE_MIGRATIONS.labels(self._model, "success").inc()
             progress.live = None
-        if output.disaggregated_params is not None and not output.finished:
-            # A draining decode worker: where this request's KV waits for us.
-            self.offer = Handover(self.routed, self.request.rid, output.disaggregated_params)
-            output = msgspec.structs.replace(output, disaggregated_params=None)
         progress.generated.extend(output.token_ids)
         if output.finish_reason is not None:
             self.finished = True
             return _final(output, progress.original, progress.generated)
         return output if output.token_ids else None
+
+    def _offered(self, output: EngineOutput) -> EngineOutput | None:
+        """A draining worker's offer of the request's KV, after the tokens it comes with: noted
+        for the migration its stream's end asks for and, where it says how far the KV goes,
+        told to the request stream at once (it gets the next worker ready meanwhile)."""
+        assert output.disaggregated_params is not None
+        offer = self.offer = Handover(self.routed, self.request.rid, output.disaggregated_params)
+        passed = self.accept(EngineOutput(token_ids=output.token_ids)) if output.token_ids else None
+        covered, owner = output.handover_tokens, self._owner
+        if covered is not None and owner is not None:
+            generated = self.progress.generated
+            done = covered - len(self.progress.original.token_ids)
+            if 0 <= done <= len(generated):
+                with contextlib.suppress(ActorError):  # it ended: nothing to get ready for
+                    owner.tell_nowait(Prepare(offer, generated[:done]))
+        return passed
+
+
+@attrs.frozen
+class Prepare:
+    """A draining worker offered the request's KV (a tell): it will hold the original prompt
+    and ``generated``. The request stream may send the continuation to the next worker now,
+    for the migration the attempt's end then asks for (:class:`Retry`)."""
+
+    offer: Handover
+    generated: list[int]
 
 
 class Ticket:

@@ -6,7 +6,14 @@ from prometheus_client import Counter, Histogram
 
 from actors.telemetry import REGISTRY
 
-__all__ = ["CANCELLATIONS", "FALLBACKS", "LIVE_MIGRATIONS", "MIGRATIONS", "MIGRATION_SECONDS"]
+__all__ = [
+    "CANCELLATIONS",
+    "FALLBACKS",
+    "LIVE_MIGRATIONS",
+    "LIVE_MIGRATIONS_AHEAD",
+    "MIGRATIONS",
+    "MIGRATION_SECONDS",
+]
 
 MIGRATIONS = Counter(
     "actorserve_migration",
@@ -30,6 +37,14 @@ LIVE_MIGRATIONS = Counter(
     "actorserve_live_migration",
     "Requests a draining decode worker handed over with their KV: continued on the new worker "
     "(success) or replayed from their tokens instead (fallback).",
+    ["model", "outcome"],
+    registry=REGISTRY,
+)
+LIVE_MIGRATIONS_AHEAD = Counter(
+    "actorserve_live_migration_ahead",
+    "Live migrations sent to the next worker as the drain began, while the draining worker's "
+    "last step still ran: taken by the migration, or dropped (the request ended at that step, "
+    "or went elsewhere).",
     ["model", "outcome"],
     registry=REGISTRY,
 )

@@ -15,11 +15,12 @@ is set: by the consumer after that first output, or by the actor when the attemp
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 import msgspec
 
-from actors import ActorError, ReplyStream
+from actors import ActorError, ActorRef, ReplyStream
 from actors.serving._attempt import Attempt, Progress
 from actors.serving._router import Routed
 from protocols.engine import EngineOutput, PreprocessedRequest
@@ -56,6 +57,7 @@ class PrefillFirstAttempt(Attempt):
         model: str,
         stall_timeout: float,
         request_timeout: float,
+        owner: ActorRef[Any] | None = None,
     ) -> None:
         super().__init__(
             routed,
@@ -65,6 +67,7 @@ class PrefillFirstAttempt(Attempt):
             model=model,
             stall_timeout=stall_timeout,
             request_timeout=request_timeout,
+            owner=owner,
         )
         self.prefill: Prefill | None = prefill  # until its first output was read
         self._repeat: int | None = None  # the token the decode's first output repeats
@@ -83,7 +86,8 @@ class PrefillFirstAttempt(Attempt):
 
     def accept(self, output: EngineOutput) -> EngineOutput | None:
         repeat = self._repeat
-        if repeat is not None:
+        # (A draining worker's offer with no tokens: the repeat is still to come.)
+        if repeat is not None and (output.token_ids or output.disaggregated_params is None):
             self._repeat = None
             if not output.token_ids or output.token_ids[0] != repeat:
                 raise KVTransferError("decode did not resume from the prefill's first token")

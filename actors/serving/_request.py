@@ -34,14 +34,17 @@ from actors.serving._attempt import (
     Begin,
     Finish,
     Handover,
+    Prepare,
     Progress,
     RequestOutputs,
     Retry,
 )
+from actors.serving._continuation import continuation, refuse_migration
 from actors.serving._metrics import (
     CANCELLATIONS,
     FALLBACKS,
     LIVE_MIGRATIONS,
+    LIVE_MIGRATIONS_AHEAD,
     MIGRATION_SECONDS,
     MIGRATIONS,
 )
@@ -49,13 +52,14 @@ from actors.serving._prefill import Prefill, PrefillFirstAttempt
 from actors.serving._router import Routed
 from actors.serving._routing import Policy, Role, RoutingTable
 from protocols import control
-from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, StopConditions
+from protocols.engine import EngineOutput, PreprocessedRequest
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
     MigrationExhausted,
     NoWorkerAvailable,
     RequestError,
+    WorkerDraining,
 )
 
 __all__ = ["MIGRATIONS", "RequestStream", "StreamOptions"]
@@ -92,6 +96,9 @@ class RequestStream(Actor):
         self.options = options
         self._progress: Progress | None = None
         self._attempt: Attempt | None = None  # the one being read: its router slot is ours
+        # The continuation a draining worker's offer was sent on ahead (see Prepare), with
+        # that offer, until the attempt that made it ends.
+        self._prepared: tuple[Handover, Attempt] | None = None
         self._excluded: tuple[str, ...] = ()
         self._migrations_left = options.migration_limit
         self._ended = False
@@ -112,6 +119,9 @@ class RequestStream(Actor):
                 return await self._next(attempt, error)
             case Finish(cancelled=cancelled):
                 self._finish(cancelled)
+                return None
+            case Prepare(offer=offer, generated=generated):
+                self._prepare(offer, generated)
                 return None
             case _:
                 return await super().receive(message)
@@ -138,15 +148,64 @@ class RequestStream(Actor):
         if progress is not None and progress.live is not None:
             self._release(progress.live)
             progress.live = None
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            self._drop(prepared[1])
+            self._release(prepared[0])
         self.stop()
 
     def _end_attempt(self) -> None:
         attempt, self._attempt = self._attempt, None
         if attempt is not None:
-            attempt.outputs.close()  # a no-op if it ended (or its consumer closed it)
-            if isinstance(attempt, PrefillFirstAttempt):
-                attempt.release_prefill()  # unread: drained by its task
-            self._done(attempt.routed)
+            self._close(attempt)
+
+    def _close(self, attempt: Attempt) -> None:
+        attempt.outputs.close()  # a no-op if it ended (or its consumer closed it)
+        if isinstance(attempt, PrefillFirstAttempt):
+            attempt.release_prefill()  # unread: drained by its task
+        self._done(attempt.routed)
+
+    def _prepare(self, offer: Handover, generated: list[int]) -> None:
+        """Send the continuation from ``offer``'s KV to the next decode worker now: it admits
+        the request and asks for the KV while the draining worker's last step runs, and the
+        migration the offering attempt's end asks for takes it (:meth:`_ready`). Where that
+        cannot be done now, the migration does it then."""
+        progress = self._progress
+        if self._ended or progress is None or self._prepared is not None:
+            return
+        original = progress.original
+        if self._migrations_left <= 0 or refuse_migration(original) is not None:
+            return
+        n = self.options.migration_limit - self._migrations_left + 1
+        request = continuation(original, generated, f"{original.rid}-m{n}", offer.bootstrap)
+        try:
+            routed = self._take("decode", request, (offer.source.worker_id,))
+        except NoWorkerAvailable:
+            return
+        try:
+            outputs = routed.engine.stream(request, buffer=self.options.buffer)
+        except ActorError:
+            self._done(routed)
+            return
+        self._prepared = (offer, self._new_attempt(routed, request, outputs, None))
+
+    def _ready(self, request: PreprocessedRequest) -> Attempt | None:
+        """The prepared attempt, if it is the live migration ``request`` (else it is closed)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return None
+        offer, attempt = prepared
+        progress = self._progress
+        assert progress is not None
+        if progress.live is offer and request.token_ids == attempt.request.token_ids:
+            LIVE_MIGRATIONS_AHEAD.labels(self.options.model, "taken").inc()
+            return attempt
+        self._drop(attempt)
+        return None
+
+    def _drop(self, prepared: Attempt) -> None:
+        LIVE_MIGRATIONS_AHEAD.labels(self.options.model, "dropped").inc()
+        self._close(prepared)
 
     async def _next(self, failed: Attempt | None, exc: BaseException | None) -> Attempt:
         """The next attempt: the first (``failed`` is None), or a migration after ``failed``
@@ -162,6 +221,10 @@ class RequestStream(Actor):
             while True:
                 if error is not None:
                     request = self._migration(error, routed, offer, request)
+                    ready = self._ready(request)
+                    if ready is not None:
+                        self._attempt = ready
+                        return ready
                 routed = offer = prefill = None
                 try:
                     routed, request, prefill = await self._route_request(request)
@@ -194,11 +257,27 @@ class RequestStream(Actor):
         progress = self._progress
         assert progress is not None
         opts = self.options
-        timeouts = {"stall_timeout": opts.stall_timeout, "request_timeout": opts.request_timeout}
         if prefill is None:
-            return Attempt(routed, request, outputs, progress, model=opts.model, **timeouts)
+            return Attempt(
+                routed,
+                request,
+                outputs,
+                progress,
+                model=opts.model,
+                stall_timeout=opts.stall_timeout,
+                request_timeout=opts.request_timeout,
+                owner=self.ref,
+            )
         return PrefillFirstAttempt(
-            routed, request, outputs, progress, prefill, model=opts.model, **timeouts
+            routed,
+            request,
+            outputs,
+            progress,
+            prefill,
+            model=opts.model,
+            stall_timeout=opts.stall_timeout,
+            request_timeout=opts.request_timeout,
+            owner=self.ref,
         )
 
     def _migration(
@@ -221,14 +300,16 @@ class RequestStream(Actor):
             _log.info("live migration failed", rid=original.rid, error=error.code)
             self._release(progress.live)
             progress.live = None
-            return _continuation(original, generated, f"{request.rid}r")
-        if offer is not None and generated:
+            return continuation(original, generated, f"{request.rid}r")
+        if offer is not None and generated and isinstance(error, WorkerDraining):
             progress.live = offer
         elif offer is not None:
+            # Not the drain's hand-over (the worker failed, or its stream broke): its KV may
+            # never come.
             self._release(offer)
         if not error.migratable:
             raise error from None
-        refusal = _refuse_migration(original)
+        refusal = refuse_migration(original)
         if refusal or self._migrations_left <= 0:
             if progress.failed_at is not None:
                 MIGRATION_SECONDS.labels(opts.model, progress.migration_type, "failure").observe(
@@ -257,8 +338,8 @@ class RequestStream(Actor):
         )
         rid = f"{original.rid}-m{opts.migration_limit - self._migrations_left}"
         if progress.live is not None:
-            return _continuation(original, generated[:-1], rid, progress.live.bootstrap)
-        return _continuation(original, generated, rid)
+            return continuation(original, generated[:-1], rid, progress.live.bootstrap)
+        return continuation(original, generated, rid)
 
     async def _route_request(
         self, request: PreprocessedRequest
@@ -379,41 +460,3 @@ def _typed(exc: BaseException) -> RequestError:
         return exc
     # The engine actor died, is restarting or went away: a failure of the worker.
     return EngineFailure(str(exc))
-
-
-def _refuse_migration(request: PreprocessedRequest) -> str | None:
-    if request.sampling_options.n > 1:
-        return "n > 1: per-choice state cannot be carried over"
-    if request.sampling_options.guided_decoding:
-        return "guided decoding: the grammar state would restart"
-    return None
-
-
-def _continuation(
-    original: PreprocessedRequest,
-    generated: list[int],
-    rid: str,
-    live: BootstrapInfo | None = None,
-) -> PreprocessedRequest:
-    """The request that continues ``original`` after ``generated`` tokens elsewhere; with
-    ``live``, from the KV of ``original`` plus ``generated`` handed over at that room.
-
-    Each attempt gets its own engine request id ``rid``: a migration may land on the same
-    worker while the aborted attempt is still being torn down there."""
-    stop = original.stop_conditions
-    done = len(generated)
-    conditions = StopConditions(
-        max_tokens=None if stop.max_tokens is None else max(0, stop.max_tokens - done),
-        min_tokens=None if stop.min_tokens is None else max(0, stop.min_tokens - done),
-        stop=stop.stop,
-        stop_token_ids=stop.stop_token_ids,
-        ignore_eos=stop.ignore_eos,
-    )
-    return msgspec.structs.replace(
-        original,
-        rid=rid,
-        token_ids=[*original.token_ids, *generated],
-        stop_conditions=conditions,
-        bootstrap_info=live,
-        live_migration=live is not None,
-    )

@@ -19,7 +19,6 @@ from actors import Actor, ExitReason, ReplyError
 from actors.worker._kvbridge import KVBridge, needs_transfer
 from protocols import control as c
 from protocols.engine import (
-    BootstrapInfo,
     Engine,
     EngineOutput,
     MemoryTag,
@@ -76,7 +75,7 @@ class EngineHost(Actor):
         self.admitting = True
         self._running: set[str] = set()
         # A drained request's error, and where its KV can be read (a live hand-over) or None.
-        self._handed_over: dict[str, tuple[RequestError, BootstrapInfo | None]] = {}
+        self._handed_over: dict[str, RequestError] = {}  # a drain's, by request: its end
         self._handovers = {"live": 0, "replay": 0}
         self._faults: dict[str, int] = {}
 
@@ -236,16 +235,17 @@ class EngineHost(Actor):
             else WorkerDraining("the worker is draining")
         )
         assert self.engine is not None
-        # A drain again finds some already on their way out.
+        # A drain again finds some already on their way out. Each one's end is recorded before
+        # its stream can see it.
         rids = [rid for rid in self._running if rid not in self._handed_over]
+        self._handed_over.update(dict.fromkeys(rids, error))
         if live and self.bridge is not None:
-            # Every decoding request at one step boundary of the engine (one that ended
-            # meanwhile is left out); the offers are recorded before any stream sees its end.
+            # Every decoding request, offered on its stream now and handed over at one step
+            # boundary of the engine (one that ended meanwhile is left out).
             offers = await self.bridge.hand_over(rids)
         else:
             offers = dict.fromkeys(rids)
-        for rid, offer in offers.items():
-            self._handed_over[rid] = (error, offer)
+        for offer in offers.values():
             self._handovers["replay" if offer is None else "live"] += 1
         for rid, offer in offers.items():
             if offer is None:
@@ -286,14 +286,12 @@ class EngineHost(Actor):
                 if not streamed:
                     streamed = True
                     self.streaming += 1
-                handed_over = self._handed_over.pop(rid, None) if output.finish_reason else None
-                if handed_over is not None and output.finish_reason == "cancelled":
+                error = self._handed_over.pop(rid, None) if output.finish_reason else None
+                if error is not None and output.finish_reason == "cancelled":
                     # Our own abort for a drain: never let it look like a client cancel
-                    # (Dynamo's PR #13952). Deliver its tokens (and where its KV waits, for a
-                    # live hand-over), then the migratable error.
-                    error, offer = handed_over
-                    if output.token_ids or offer is not None:
-                        yield EngineOutput(token_ids=output.token_ids, disaggregated_params=offer)
+                    # (Dynamo's PR #13952). Deliver its tokens, then the migratable error.
+                    if output.token_ids:
+                        yield EngineOutput(token_ids=output.token_ids)
                     raise error
                 yield output
         finally:

@@ -20,10 +20,11 @@ Live migration (a drain): a decode worker whose transfer can :class:`HandOver` a
 :class:`~actors.kv.PrefillKV` over its own pages, under a second NIXL agent (one agent cannot be
 both a decode peer and a prefill peer of the same worker: each side loads and drops its peers'
 agents on its own, and prefill's housekeeping would take decode's notifications). On a drain,
-:meth:`KVBridge.hand_over` stops the decoding requests at one step boundary, opens a room for
-each there and publishes them; the next decode worker receives the KV through its ordinary decode
-path, so the transfer, the page ownership rules and the verification are the prefill -> decode
-ones.
+:meth:`KVBridge.hand_over` opens a room for each decoding request and offers it on the request's
+stream at once, then stops them all at the engine's next step boundary and sends each room its
+pages; the next decode worker receives the KV through its ordinary decode path (asked for while
+the draining engine's last step still runs), so the transfer, the page ownership rules and the
+verification are the prefill -> decode ones.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import contextlib
 import os
 import struct
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
@@ -58,6 +59,10 @@ def needs_transfer(request: PreprocessedRequest) -> bool:
     info = request.bootstrap_info
     return info is not None and info.host != FAKE_BOOTSTRAP_HOST
 
+
+Offer = Callable[[dict[str, int]], Mapping[str, BootstrapInfo]]
+"""``offer(planned)``: a drain's rooms (their bootstrap triples) for the requests it hands over,
+given how many tokens of each one's sequence its KV will cover."""
 
 Receive = Callable[["PageAllocation", bool], Awaitable["ReceivedKV"]]
 """``receive(pages, verify)``: the request's room into ``pages`` of the bridge's pool (see
@@ -93,12 +98,16 @@ class HandOver(Protocol):
         """The pages of :meth:`EngineTransfer.pool` again, for the hand-over side's own agent."""
         ...
 
-    async def hand_over(self, rids: Sequence[str]) -> dict[str, tuple[list[int], bytes] | None]:
+    async def hand_over(
+        self, rids: Sequence[str], offer: Offer
+    ) -> dict[str, tuple[list[int], bytes] | None]:
         """Stop decoding ``rids`` (at the engine's next step boundary, all together) and hold
         their KV: each one's pages (every token but the newest) and what the room's
         notification carries with them to the next engine (``aux``), or ``None`` when it
         cannot be handed over (it is not decoding); a request that ended meanwhile is left
-        out."""
+        out. Before the boundary, ``offer`` is called with how many tokens each one's KV will
+        cover, and each request it answers a room for has that offer published on its stream
+        (``disaggregated_params``, ``handover_tokens``)."""
         ...
 
     def release(self, rid: str) -> None:
@@ -204,23 +213,43 @@ class KVBridge:
         """Decode, a drain: stop decoding ``rids`` and offer each one's KV in a fresh room of
         the source endpoint (its triple is the next decode worker's ``bootstrap_info``).
 
-        The engine lets go of them all at one step boundary; nothing is awaited after that, so
-        the rooms are open, their senders started and the caller has the offers before any of
-        their streams can see its end. ``None`` for a request that cannot be handed over (abort
-        it for a replay; every one on a worker that cannot hand over); a request that ended
-        meanwhile is left out."""
+        The rooms are opened, and offered on the requests' streams, at once: the next worker
+        can admit each request and send its page list while the engine's step in flight still
+        runs. The engine lets go of them all at that step's boundary; nothing is awaited after
+        it, so the senders are started (their WRITEs go out where the page lists are already
+        here) and the caller has the offers before any of their streams can see its end.
+        ``None`` for a request that cannot be handed over (abort it for a replay; every one
+        on a worker that cannot hand over); a request that ended meanwhile is left out (its
+        room aborted)."""
         transfer, source, senders = self.transfer, self.source, self._senders
         if source is None or senders is None or not isinstance(transfer, HandOver):
             return dict.fromkeys(rids)
+        rooms: dict[str, PrefillRoom] = {}
+
+        def offer(planned: dict[str, int]) -> dict[str, BootstrapInfo]:
+            for rid in planned:
+                rooms[rid] = self._handovers[rid] = source.open_room()
+            return {rid: room.bootstrap for rid, room in rooms.items()}
+
+        held: dict[str, tuple[list[int], bytes] | None] = {}
+        try:
+            held = await transfer.hand_over(rids, offer)
+        finally:
+            for rid, opened in rooms.items():
+                if held.get(rid) is None:
+                    # Offered, not handed over: it ended at the boundary (or the hand-over
+                    # failed). The worker that was getting ready for it hears so now.
+                    opened.abort(f"{rid}: not handed over")
+                    opened.close()
+                    del self._handovers[rid]
         offers: dict[str, BootstrapInfo | None] = {}
-        for rid, held in (await transfer.hand_over(rids)).items():
-            if held is None:
+        for rid, pages in held.items():
+            room = rooms.get(rid)
+            if pages is None or room is None:
                 offers[rid] = None
-                continue
-            room = source.open_room()
-            self._handovers[rid] = room
-            senders.start_soon(self._send, rid, room, *held, name=f"hand over {rid}")
-            offers[rid] = room.bootstrap
+            else:
+                senders.start_soon(self._send, rid, room, *pages, name=f"hand over {rid}")
+                offers[rid] = room.bootstrap
         return offers
 
     def abort_handover(self, rid: str) -> bool:
@@ -311,10 +340,12 @@ class MockTransfer:
         memory = self.engine.kv_memory(0)
         return KVPool.from_buffer(self.engine.kv_buffer(0), memory.block_bytes)
 
-    async def hand_over(self, rids: Sequence[str]) -> dict[str, tuple[list[int], bytes] | None]:
+    async def hand_over(
+        self, rids: Sequence[str], offer: Offer
+    ) -> dict[str, tuple[list[int], bytes] | None]:
         if self.engine.config.dp_size != 1:
             return dict.fromkeys(rids)  # the bridge moves rank 0's pages only
-        handed = await self.engine.hand_over(rids)
+        handed = await self.engine.hand_over(rids, offer)
         return {
             rid: None if p is None else (list(p.block_ids), _pack_prefix_hash(p.prefix_hash))
             for rid, p in handed.items()
@@ -373,14 +404,23 @@ class MockTransfer:
             try:
                 # The engine verifies the pages itself (complete_transfer): no checksums needed.
                 got = await receive(pages, False)
+            except BaseException as exc:
+                if not pages.freed:
+                    # The transfer service holds the pages until no WRITE can reach them any
+                    # more: the engine must not hand them to another request before.
+                    pages.on_free(engine.hold_blocks(target))
+                if isinstance(exc, KVTransferError):
+                    engine.fail_transfer(rid, str(exc))
+                elif isinstance(exc, Exception):
+                    engine.fail_transfer(rid, f"{type(exc).__name__}: {exc}")
+                    raise KVTransferError(f"{type(exc).__name__}: {exc}") from exc
+                raise
+            pages.free()
+            try:
                 prefix_hash = _unpack_prefix_hash(got.aux)
             except KVTransferError as exc:
                 engine.fail_transfer(rid, str(exc))
                 raise
-            except Exception as exc:
-                engine.fail_transfer(rid, f"{type(exc).__name__}: {exc}")
-                raise KVTransferError(f"{type(exc).__name__}: {exc}") from exc
-            pages.free()
             if self._fault("fail_kv"):
                 # Fault injection: the transfer fails (as a lost NIXL connection would).
                 engine.fail_transfer(rid, "injected KV transfer failure")

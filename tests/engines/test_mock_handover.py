@@ -92,6 +92,53 @@ async def test_hand_over_lets_the_step_in_flight_deliver_its_tokens() -> None:
         assert source.is_quiescent() and source.statistics().used_blocks == 0
 
 
+async def test_a_drain_offers_the_kv_while_the_step_in_flight_runs() -> None:
+    timed = TimingModel(speedup=0.2)  # steps of tens of ms, always one in flight
+    async with MockEngine(config(timing=timed, record_steps=True)) as source:
+        # r0 and r1 decode on; r2 has one token left, which the step in flight produces.
+        streams = [
+            source.generate(request(f"r{i}", p, max_tokens=2 if i == 2 else 40))
+            for i, p in enumerate(PROMPTS)
+        ]
+        done = [tokens_of(await _until_token(s)) for s in streams]
+        planned: dict[str, int] = {}
+
+        def offer(covered: dict[str, int]) -> dict[str, BootstrapInfo]:
+            planned.update(covered)
+            return {
+                rid: BootstrapInfo(host="127.0.0.1", port=7100, room=i)
+                for i, rid in enumerate(covered)
+            }
+
+        steps = len(source.step_records())
+        pages: dict[str, KvPages | None] = {}
+        async with anyio.create_task_group() as tg:
+
+            async def hand_over() -> None:
+                pages.update(await source.hand_over(["r0", "r1", "r2"], offer))
+
+            tg.start_soon(hand_over)
+            offers = [await s.__anext__() for s in streams]
+            # Each stream has its offer before the step in flight ended: how far its KV will
+            # go (every token but the one that step samples) and where.
+            assert len(source.step_records()) == steps
+        assert planned == {f"r{i}": len(p) + len(done[i]) for i, p in enumerate(PROMPTS)}
+        for i, out in enumerate(offers):
+            assert out.token_ids == [] and out.finish_reason is None
+            assert out.disaggregated_params == BootstrapInfo(host="127.0.0.1", port=7100, room=i)
+            assert out.handover_tokens == planned[f"r{i}"]
+        # r2 ended at that boundary: not handed over (its stream ends as it would have).
+        assert pages.keys() == {"r0", "r1"}
+        rest = [await collect(s) for s in streams]
+        assert [r[-1].finish_reason for r in rest] == ["cancelled", "cancelled", "length"]
+        for i in range(2):
+            kv = pages[f"r{i}"]
+            assert kv is not None and kv.num_tokens == planned[f"r{i}"]
+            assert len(PROMPTS[i]) + len(done[i]) + len(tokens_of(rest[i])) == kv.num_tokens + 1
+            source.release_transfer(f"r{i}")
+        assert source.is_quiescent() and source.statistics().used_blocks == 0
+
+
 async def _handed_over(source: MockEngine) -> tuple[dict[str, KvPages | None], list[list[int]]]:
     streams = [source.generate(request(f"r{i}", p, max_tokens=30)) for i, p in enumerate(PROMPTS)]
     done = [tokens_of(await _until_token(s)) for s in streams]

@@ -101,6 +101,24 @@ def test_pool_prefix_matching_lru_eviction_and_statistics() -> None:
     assert pool.take_events() == []
 
 
+def test_pool_retained_blocks_stay_in_use_until_released() -> None:
+    pool = BlockPool(4, 2)
+    blocks = pool.allocate(2)
+    assert blocks is not None
+    resets = pool.retain(blocks)  # a failed transfer's pages: a WRITE may still reach them
+    pool.release(blocks)  # their request ended
+    assert pool.statistics().used == 2 and pool.allocate(3) is None
+    pool.release_retained(blocks, resets)
+    assert pool.statistics().free == 4
+    # Retained before a reset (the KV memory was released): nothing to give back after it.
+    again = pool.allocate(1)
+    assert again is not None
+    resets = pool.retain(again)
+    pool.reset()
+    pool.release_retained(again, resets)
+    assert pool.statistics().free == 4 and pool.allocate(4) is not None
+
+
 def test_pool_registers_a_chain_as_one_event_per_run() -> None:
     tokens = list(range(12))
     hashes = [200 + i for i in range(6)]

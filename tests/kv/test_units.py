@@ -63,6 +63,20 @@ def test_pool_allocates_contiguous_runs_best_fit_and_accounts() -> None:
     assert stats.largest_free_run == 64
 
 
+def test_on_free_runs_once_when_the_pages_are_freed() -> None:
+    pool = KVPool.allocate(8, 64, device="cpu")
+    calls: list[str] = []
+    held = pool.alloc(2)
+    held.on_free(lambda: calls.append("held"))
+    assert calls == []
+    held.free()
+    held.free()
+    freed = pool.alloc(1)
+    freed.free()
+    freed.on_free(lambda: calls.append("freed"))  # already free: at once
+    assert calls == ["held", "freed"] and pool.statistics().pages_in_use == 0
+
+
 def test_pool_fragmented_allocation_uses_fewest_runs_and_exhaustion_is_typed() -> None:
     pool = KVPool.allocate(16, 64, device="cpu")
     held = [pool.alloc_exact([i]) for i in (2, 5, 6, 11)]

@@ -4,11 +4,16 @@ token replay is the fallback when the target has no room or the transfer fails."
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from typing import Any
 
 import anyio
 import httpx
+import pytest
 
+from actors import ActorCrashed
 from actors.telemetry import REGISTRY
 from protocols import control
 from protocols.engine import MemoryTag
@@ -28,6 +33,13 @@ def _prompts(n: int, tag: str = "") -> list[str]:
 def _live(outcome: str) -> float:
     value = REGISTRY.get_sample_value(
         "actorserve_live_migration_total", {"model": "mock", "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def _ahead(outcome: str = "taken") -> float:
+    value = REGISTRY.get_sample_value(
+        "actorserve_live_migration_ahead_total", {"model": "mock", "outcome": outcome}
     )
     return value or 0.0
 
@@ -59,10 +71,12 @@ async def _drain_running(
     prompts: list[str],
     max_tokens: int,
     drain: Any = None,
+    raises: type[BaseException] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, control.EngineStats]]:
     """Run ``prompts`` all on decode-0 (decode-1 kept out of routing until every one has its
-    first token), then drain decode-0 while they generate (or send the lifecycle ``drain``).
-    Returns the results, and every worker's statistics from just before the drain."""
+    first token), then drain decode-0 while they generate (or send the lifecycle ``drain``,
+    which must raise ``raises`` if given). Returns the results, and every worker's statistics
+    from just before the drain."""
     table = tree.serving.table
     out: list[dict[str, Any]] = []
     started = anyio.Event()
@@ -85,7 +99,8 @@ async def _drain_running(
             table.set_draining("decode-1", False)
             before.update({w: await tree.engine_stats(w) for w in tree.serving.roles})
             assert before["decode-0"].running == len(prompts)
-            await tree.lifecycle.ask(drain or DrainWorker("decode-0"), timeout=None)
+            with pytest.raises(raises) if raises else contextlib.nullcontext():
+                await tree.lifecycle.ask(drain or DrainWorker("decode-0"), timeout=None)
     finally:
         table.set_draining("decode-1", False)
     return out, before
@@ -97,7 +112,7 @@ async def test_live_migration_of_16_running_requests_needs_no_prefill() -> None:
         async with httpx.AsyncClient(base_url=tree.url) as client:
             expected = await _run(client, prompts, 150, anyio.Event())
             await _quiet(tree)
-            success, fallback = _live("success"), _live("fallback")
+            success, fallback, ahead = _live("success"), _live("fallback"), _ahead()
             got, before = await _drain_running(tree, client, prompts, 150)
         await _quiet(tree)
         after = {w: await tree.engine_stats(w) for w in tree.serving.roles}
@@ -106,6 +121,8 @@ async def test_live_migration_of_16_running_requests_needs_no_prefill() -> None:
     assert [r["usage"] for r in got] == [r["usage"] for r in expected]
     assert after["decode-0"].handovers_live == 16 and after["decode-0"].handovers_replay == 0
     assert (_live("success") - success, _live("fallback") - fallback) == (16, 0)
+    # Each was sent to decode-1 (which asked for its KV) while decode-0's last step still ran.
+    assert _ahead() - ahead == 16
     # The hand-overs' WRITEs went out from decode-0 (their time, posting to DONE, counted).
     assert after["decode-0"].kv_write_seconds > before["decode-0"].kv_write_seconds
     # No re-prefill anywhere: the target took the KV (the whole context, every token but the
@@ -114,6 +131,78 @@ async def test_live_migration_of_16_running_requests_needs_no_prefill() -> None:
         assert after[worker].prefill_tokens == before[worker].prefill_tokens, worker
     received = after["decode-1"].kv_received_tokens - before["decode-1"].kv_received_tokens
     assert received >= sum(len(p) for p in prompts)
+
+
+async def test_a_request_that_ends_at_the_drains_boundary_stays() -> None:
+    # Steps of ~0.1 s: the drain comes while decode-0 runs the step of the request's last
+    # token. It was offered (decode-1 got its continuation and asked for its KV), then ended
+    # in that step: it finishes on decode-0, decode-1 lets its reservation go, and nothing is
+    # left on any worker.
+    prompt, max_tokens = _prompts(1)[0], 12
+    async with serving_tree(**DISAGG, engine_args={"timing": {"speedup": 0.1}}) as tree:
+        table = tree.serving.table
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            expected = await _stream_text(client, prompt, max_tokens)
+            await _quiet(tree)
+            before = await tree.engine_stats("decode-1")
+            taken, dropped = _ahead("taken"), _ahead("dropped")
+            last_step = anyio.Event()
+
+            def on_chunk(n: int) -> None:
+                table.set_draining("decode-1", False)
+                if n == max_tokens - 1:
+                    last_step.set()
+
+            table.set_draining("decode-1", True)  # the request decodes on decode-0
+            async with anyio.create_task_group() as tg:
+
+                async def run() -> None:
+                    got.update(await _stream_text(client, prompt, max_tokens, on_chunk=on_chunk))
+
+                got: dict[str, Any] = {}
+                tg.start_soon(run)
+                await last_step.wait()
+                await tree.lifecycle.ask(DrainWorker("decode-0"), timeout=None)
+        await _quiet(tree)
+        stats = {w: await tree.engine_stats(w) for w in ("decode-0", "decode-1")}
+    assert got["error"] is None and got["finish"] == "length"
+    assert (got["text"], got["usage"]) == (expected["text"], expected["usage"])
+    assert (_ahead("taken") - taken, _ahead("dropped") - dropped) == (0, 1)
+    assert (stats["decode-0"].handovers_live, stats["decode-0"].handovers_replay) == (0, 0)
+    # decode-1 reserved pages for the KV, received none and computed nothing.
+    after = stats["decode-1"]
+    assert after.kv_received_tokens == before.kv_received_tokens
+    assert after.prefill_tokens == before.prefill_tokens
+
+
+async def test_a_draining_worker_killed_before_its_boundary_loses_nothing() -> None:
+    # Steps of ~0.1 s: decode-0 is killed once it offered its requests (decode-1 has each
+    # one's continuation, waiting for KV that will never come) while its last step runs. Each
+    # request is replayed from its tokens instead, and decode-1's reservations are dropped.
+    prompts = _prompts(4)
+    async with serving_tree(**DISAGG, engine_args={"timing": {"speedup": 0.1}}) as tree:
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            expected = await _run(client, prompts, 20, anyio.Event())
+            await _quiet(tree)
+            taken, dropped, success = _ahead("taken"), _ahead("dropped"), _live("success")
+            victim = (await tree.engine_stats("decode-0")).pid
+
+            async def kill_once_offered() -> None:
+                with anyio.fail_after(30):
+                    while (await tree.engine_stats("decode-1")).running < len(prompts):
+                        await anyio.sleep(0.005)
+                os.kill(victim, signal.SIGKILL)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kill_once_offered)
+                # (The lifecycle actor's drain dies with the worker; its supervisor restarts it.)
+                got, _ = await _drain_running(tree, client, prompts, 20, raises=ActorCrashed)
+            await tree.wait_ready()
+        await _quiet(tree)
+    assert all(r["error"] is None and r["finish"] == "length" for r in got), got
+    assert [r["text"] for r in got] == [r["text"] for r in expected]
+    assert (_ahead("taken") - taken, _ahead("dropped") - dropped) == (0, len(prompts))
+    assert _live("success") == success
 
 
 async def test_no_room_on_the_target_falls_back_to_replay() -> None:

@@ -22,9 +22,11 @@ async def _stream_text(
     prompt: str,
     max_tokens: int,
     on_first: Callable[[], None] | None = None,
+    on_chunk: Callable[[int], None] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """One streamed completion: its text, finish reason, usage and any error event."""
+    """One streamed completion: its text, finish reason, usage and any error event
+    (``on_chunk(n)`` after the n-th chunk with a choice)."""
     body = {
         "model": "mock",
         "prompt": prompt,
@@ -60,6 +62,8 @@ async def _stream_text(
                 text += choice.get("text") or ""
                 finish = choice.get("finish_reason") or finish
                 chunks += 1
+                if on_chunk is not None:
+                    on_chunk(chunks)
             usage = event.get("usage") or usage
     return {
         "text": text,

@@ -106,6 +106,11 @@ class DecodeBatch:
     def holds(self, req: MockRequest) -> bool:
         return req.slot >= 0 and self._by_slot[req.slot] is req
 
+    def in_step(self, req: MockRequest) -> bool:
+        """Whether the step in flight (if any) samples a token for ``req``: it covers every
+        slot active when it was planned, and arrivals since wait in ``_pending``."""
+        return self.frozen and self.holds(req)
+
     def grow(self, req: MockRequest) -> None:
         """``req`` got another block."""
         self._cap[req.slot] = len(req.blocks) * self.block_size

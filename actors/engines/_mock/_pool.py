@@ -51,6 +51,7 @@ class BlockPool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, oldest first
         self._used = 0
         self._events: list[KVEvent] = []
+        self.resets = 0  # times everything was forgotten (see retain)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -124,6 +125,18 @@ class BlockPool:
             # One event for the whole eviction (what merging one per block made, for less work).
             self._record(BlockRemoved(block_hashes=evicted, medium=_MEDIUM))
         return out
+
+    def retain(self, blocks: Sequence[int]) -> int:
+        """One more reference on each of ``blocks`` (in use); returns the pool's reset count,
+        for :meth:`release_retained`."""
+        for block in blocks:
+            self._acquire(block)
+        return self.resets
+
+    def release_retained(self, blocks: Sequence[int], resets: int) -> None:
+        """:meth:`release` of what :meth:`retain` took, unless the pool was reset since."""
+        if resets == self.resets:
+            self.release(blocks)
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; the tail first, so it is evicted first."""
@@ -199,6 +212,7 @@ class BlockPool:
 
     def reset(self) -> None:
         """Forget everything (flush, or the KV memory was released): all blocks free."""
+        self.resets += 1
         had_pages = bool(self._by_hash)
         self._ref = [0] * self.num_blocks
         self._hash = [None] * self.num_blocks

@@ -54,6 +54,7 @@ class MockRequest:
         "max_new",
         "min_new",
         "ngen",
+        "offer",
         "phase",
         "prompt_len",
         "rank",
@@ -99,6 +100,9 @@ class MockRequest:
         self.was_admitted = False
         self.delivered = len(self.seq)  # seq[:delivered] is prompt or handed to the stream
         self.disagg_params: BootstrapInfo | None = None  # echoed on a prefill's last output
+        # A drain's offer of this request's KV (where, how many tokens), for its stream to hand
+        # out before any more tokens: see ``MockEngine.hand_over``.
+        self.offer: tuple[BootstrapInfo, int] | None = None
         self.finish_reason: FinishReason | None = None
         self.error: RequestError | None = None
         self.waiter: anyio.Event | None = None
@@ -177,8 +181,12 @@ class EngineStream:
             raise self._error
         host.sync(req)
         while (req.delivered >= len(req.seq) or req.holding) and not req.done:
+            if req.offer is not None:
+                break
             await host.park(req).wait()
             host.sync(req)
+        if req.offer is not None:
+            return _offer(req, req.offer)
         tokens = req.seq[req.delivered :]
         req.delivered += len(tokens)
         if req.error is not None:
@@ -207,3 +215,13 @@ class EngineStream:
         req, host = self._req, self._host
         if not self._closed and req is not None and host is not None and not req.done:
             host.end_later(req)
+
+
+def _offer(req: MockRequest, offer: tuple[BootstrapInfo, int]) -> EngineOutput:
+    """A drain's offer of ``req``'s KV, with the tokens its reader has not had yet (the KV may
+    cover them: the next worker is asked for the sequence up to ``handover_tokens``)."""
+    req.offer = None
+    tokens = [] if req.holding else req.seq[req.delivered :]
+    req.delivered += len(tokens)
+    bootstrap, covered = offer
+    return EngineOutput(token_ids=tokens, disaggregated_params=bootstrap, handover_tokens=covered)

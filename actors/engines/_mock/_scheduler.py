@@ -273,6 +273,12 @@ class RankScheduler(LoopMixin):
             if req.phase is Phase.AWAITING_KV and req.expected is None:
                 req.expected = expected_kv(req, self.cfg.block_size, self.tokens)
 
+    def covered_at_boundary(self, req: MockRequest) -> int:
+        """The tokens of ``req`` (decoding) whose KV the next step boundary will hold: all but
+        the newest, which is the one the step in flight samples if ``req`` is in it."""
+        self.batch.sync(req)
+        return len(req.seq) - 1 + self.batch.in_step(req)
+
     def hand_over(self, reqs: Sequence[MockRequest]) -> dict[str, int]:
         """Decode, live migration: ``reqs`` (decoding) stop here; their streams end
         ``cancelled`` and their KV stays owed to the transfer layer (see ``_hold``). The KV

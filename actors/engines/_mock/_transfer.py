@@ -35,7 +35,7 @@ request, admitted at once or failed (``KVTransferError``), never queued.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
@@ -44,10 +44,14 @@ from actors.engines._mock._pages import expected_kv
 from actors.engines._mock._request import ExpectedKV, MockRequest, Phase
 from actors.engines._mock._scheduler import RankScheduler
 from actors.engines._mock._tokens import TokenModel
-from protocols.engine import FinishReason
+from protocols.engine import BootstrapInfo, FinishReason
 from protocols.errors import KVTransferError
 
-__all__ = ["KvPages", "TransferMixin"]
+__all__ = ["KvPages", "Offer", "TransferMixin"]
+
+Offer = Callable[[dict[str, int]], Mapping[str, BootstrapInfo]]
+"""``offer(planned)``: a drain's rooms for the requests it hands over, given how many tokens
+each one's KV will cover (see ``MockEngine.hand_over``)."""
 
 
 class KvPages(msgspec.Struct, frozen=True, kw_only=True):
@@ -217,6 +221,19 @@ class TransferMixin:
         # turn (one batch per drain, not one send each), at the step loop's next turn.
         sched.after_change(publish=not req.request.live_migration)
 
+    def hold_blocks(self, pages: KvPages) -> Callable[[], None]:
+        """Decode side: keep ``pages``' blocks in use after their request ends (a failed
+        transfer's, which a WRITE may still reach: the transfer layer holds them) until the
+        returned function is called."""
+        sched = self._ranks[pages.dp_rank]
+        resets = sched.pool.retain(pages.block_ids)
+
+        def release() -> None:
+            sched.pool.release_retained(pages.block_ids, resets)
+            sched.wake()  # a request may be waiting for blocks
+
+        return release
+
     def fail_transfer(self, rid: str, message: str) -> None:
         """Decode side: the transfer failed; the stream raises ``KVTransferError(message)``."""
         req = self._find(rid)
@@ -232,14 +249,22 @@ class TransferMixin:
             raise KVTransferError(f"{rid}: the prefill ended without KV to transfer")
         return self._pages(req)
 
-    async def hand_over(self, rids: Sequence[str]) -> dict[str, KvPages | None]:
+    async def hand_over(
+        self, rids: Sequence[str], offer: Offer | None = None
+    ) -> dict[str, KvPages | None]:
         """Decode side of a live migration (a drain): stop decoding ``rids`` and keep their KV
         for the next decode worker.
 
         It happens at a step boundary: a step in flight completes first (its tokens are
         delivered, its work is not thrown away) and no step starts until every request is
         handed over. Returns each request's pages, or ``None`` for one that is not decoding
-        (abort it for a replay); a request that ended meanwhile is left out.
+        when this is called (abort it for a replay); a request that ended meanwhile (its step
+        in flight finished it, or it was aborted) is left out.
+
+        ``offer``, if given, is called at once (before the step in flight ends) with how many
+        tokens of each decoding request's sequence its pages will cover; where it answers with
+        a room, the request's stream hands out an offer (``disaggregated_params`` and
+        ``handover_tokens``) before any more tokens, so the next worker can get ready meanwhile.
 
         Each stream ends ``cancelled``, after every token so far. The pages cover the sequence
         but its newest token (``num_tokens``; the trailing partial page is written), so the next
@@ -250,9 +275,23 @@ class TransferMixin:
         for sched in self._ranks:
             sched.hold()
         try:
+            planned: dict[str, int] = {}
+            others: list[str] = []
+            for rid in rids:
+                req = self._find(rid)
+                if req is not None and req.phase is Phase.DECODE:
+                    planned[rid] = self._ranks[req.rank].covered_at_boundary(req)
+                else:
+                    others.append(rid)
+            if offer is not None and planned:
+                for rid, bootstrap in offer(planned).items():
+                    req = self._find(rid)
+                    if req is not None and not req.done:
+                        req.offer = (bootstrap, planned[rid])
+                        req.wake()
             for sched in self._ranks:
                 await sched.wait_step_boundary()
-            found = {rid: self._find(rid) for rid in rids}
+            found = {rid: self._find(rid) for rid in planned}
             handed = {
                 rid: r for rid, r in found.items() if r is not None and r.phase is Phase.DECODE
             }
@@ -262,13 +301,14 @@ class TransferMixin:
                 if mine:
                     # All at once: one write of their partial pages.
                     covered.update(sched.hand_over(mine))
-            return {
-                rid: self._pages(handed[rid], handed[rid].kv_len, covered[rid])
-                if rid in handed
-                else None
-                for rid, req in found.items()
-                if req is not None and req.phase is not Phase.FINISHED
+            out: dict[str, KvPages | None] = {
+                rid: self._pages(req, req.kv_len, covered[rid]) for rid, req in handed.items()
             }
+            for rid in others:
+                req = self._find(rid)
+                if req is not None and req.phase is not Phase.FINISHED:
+                    out[rid] = None
+            return out
         finally:
             for sched in self._ranks:
                 sched.release_hold()

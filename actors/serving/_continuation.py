@@ -1,0 +1,49 @@
+"""What a migration sends the next worker: the continuation of a request, and when there may
+be none."""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocols.engine import BootstrapInfo, PreprocessedRequest, StopConditions
+
+__all__ = ["continuation", "refuse_migration"]
+
+
+def refuse_migration(request: PreprocessedRequest) -> str | None:
+    """Why ``request`` cannot be migrated (its state would not carry over), or ``None``."""
+    if request.sampling_options.n > 1:
+        return "n > 1: per-choice state cannot be carried over"
+    if request.sampling_options.guided_decoding:
+        return "guided decoding: the grammar state would restart"
+    return None
+
+
+def continuation(
+    original: PreprocessedRequest,
+    generated: list[int],
+    rid: str,
+    live: BootstrapInfo | None = None,
+) -> PreprocessedRequest:
+    """The request that continues ``original`` after ``generated`` tokens elsewhere; with
+    ``live``, from the KV of ``original`` plus ``generated`` handed over at that room.
+
+    Each attempt gets its own engine request id ``rid``: a migration may land on the same
+    worker while the aborted attempt is still being torn down there."""
+    stop = original.stop_conditions
+    done = len(generated)
+    conditions = StopConditions(
+        max_tokens=None if stop.max_tokens is None else max(0, stop.max_tokens - done),
+        min_tokens=None if stop.min_tokens is None else max(0, stop.min_tokens - done),
+        stop=stop.stop,
+        stop_token_ids=stop.stop_token_ids,
+        ignore_eos=stop.ignore_eos,
+    )
+    return msgspec.structs.replace(
+        original,
+        rid=rid,
+        token_ids=[*original.token_ids, *generated],
+        stop_conditions=conditions,
+        bootstrap_info=live,
+        live_migration=live is not None,
+    )
