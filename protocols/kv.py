@@ -44,8 +44,10 @@ __all__ = [
     "Writing",
     "decode_message",
     "decode_notification",
+    "decode_notifications",
     "encode_message",
     "encode_notification",
+    "encode_notifications",
 ]
 
 ROOM_BITS = 63
@@ -109,9 +111,11 @@ class CancelRoom(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
 
 
 class Writing(msgspec.Struct, frozen=True, kw_only=True, tag="writing"):
-    """Prefill is about to post the room's WRITE: decode polls NIXL hard until it lands."""
+    """Prefill is about to post the room's WRITE (with the ``more`` rooms' that share it):
+    decode polls NIXL hard until it lands."""
 
     room: int
+    more: list[int] = msgspec.field(default_factory=list)
 
 
 class RoomClosed(msgspec.Struct, frozen=True, kw_only=True, tag="closed"):
@@ -186,6 +190,7 @@ class TransferNotification(msgspec.Struct, frozen=True, array_like=True):
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[BootstrapMessage] = msgspec.msgpack.Decoder(BootstrapMessage)
 _notif_decoder = msgspec.msgpack.Decoder(TransferNotification)
+_notifs_decoder = msgspec.msgpack.Decoder(list[TransferNotification])
 
 
 def encode_message(msg: BootstrapMessage) -> bytes:
@@ -206,3 +211,16 @@ def encode_notification(msg: TransferNotification) -> bytes:
 def decode_notification(data: bytes) -> TransferNotification:
     """Decode a NIXL notification payload."""
     return _notif_decoder.decode(data)
+
+
+def encode_notifications(msgs: list[TransferNotification]) -> bytes:
+    """Encode the payload of a WRITE shared by several rooms: each room's notification."""
+    return _encoder.encode(msgs)
+
+
+def decode_notifications(data: bytes) -> list[TransferNotification]:
+    """Decode a NIXL notification payload: one room's, or a shared WRITE's rooms'."""
+    try:
+        return [_notif_decoder.decode(data)]
+    except msgspec.ValidationError:
+        return _notifs_decoder.decode(data)

@@ -206,7 +206,9 @@ def _overload() -> Scenario:
         description="A burst of 24 requests on a frontend admitting 6 at a time: the excess is "
         "refused with 503 and Retry-After; clients that retry are all served.",
         topology=topology(decode_workers=2, max_inflight=6),
-        workload=Workload(clients=3, requests_per_client=6, max_tokens=48, retries=10),
+        # Enough requests that the workload still sends some after the burst (its recovery):
+        # six each (~0.1 s in all) could all have started before it on a busy machine.
+        workload=Workload(clients=3, requests_per_client=16, max_tokens=48, retries=10),
         faults=(Burst(at=0.1, requests=24),),
         expect=Expect(max_recovery_s=RECOVERY_S, counters={"rejections": Bound(min=1)}),
     )

@@ -7,7 +7,8 @@ Pieces, from the bottom up:
   once; allocates pages (contiguous runs when it can) and adopts an engine's own buffer.
 - :class:`PrefillKV` / :class:`PrefillRoom`: the prefill worker's bootstrap endpoint (ZMQ
   ROUTER) and its rooms: register a room, publish its bootstrap triple, ``send`` the computed
-  pages (one coalesced, batched NIXL WRITE plus one notification), ``wait_transfers_done``.
+  pages (one coalesced, batched NIXL WRITE plus one notification), ``wait_transfers_done``;
+  :func:`post_together` posts several rooms to one decode peer as one WRITE (a drain's).
 - :class:`DecodeKV`: the decode worker's side: ``connect`` to prefill endpoints ahead of time,
   ``receive`` a room into freshly allocated pages, verified by per-page checksums.
 
@@ -48,6 +49,7 @@ from actors.kv._bootstrap import (
 )
 from actors.kv._checksum import checksums_of, page_checksums
 from actors.kv._decode import DecodeKV, DecodeStatistics, ExpectedChecksums, ReceivedKV
+from actors.kv._group import post_together
 from actors.kv._nixl import AgentStatistics, NixlAgent, NixlError, load_nixl
 from actors.kv._pool import KVPool, KVPoolExhausted, PageAllocation, PoolStatistics
 from actors.kv._prefill import PrefillKV, PrefillStatistics
@@ -82,4 +84,5 @@ __all__ = [
     "load_nixl",
     "new_room",
     "page_checksums",
+    "post_together",
 ]

@@ -225,11 +225,12 @@ class PrefillConnection:
                 self.lost(KVTransferError(f"prefill at {self.endpoint} no longer knows us"))
             self.say_hello()
         elif isinstance(msg, Writing):
-            pending = self.rooms.get(msg.room)
-            if pending is not None and not pending.writing and not pending.terminal:
-                pending.writing = True
-                self.writing += 1
-                self._poke()
+            for room in (msg.room, *msg.more):
+                pending = self.rooms.get(room)
+                if pending is not None and not pending.writing and not pending.terminal:
+                    pending.writing = True
+                    self.writing += 1
+            self._poke()
         elif isinstance(msg, RoomClosed | RoomFailed):
             if self.release_quarantined(msg.room):
                 return

@@ -39,7 +39,7 @@ from actors.kv._pool import KVPool, PageAllocation
 from actors.kv._transfer import yield_cpu
 from protocols.engine import BootstrapInfo
 from protocols.errors import KVCorrupted, KVTransferError
-from protocols.kv import Goodbye, Hello, TransferRequest, decode_notification
+from protocols.kv import Goodbye, Hello, TransferRequest, decode_notifications
 
 __all__ = ["DecodeKV", "DecodeStatistics", "ExpectedChecksums", "ReceivedKV"]
 
@@ -403,18 +403,20 @@ class DecodeKV:
 
     def _dispatch(self, sender: str, raw: bytes) -> None:
         try:
-            notif = decode_notification(raw)
+            notifs = decode_notifications(raw)  # one room's, or those of a shared WRITE
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._stats["stray"] += 1
             return
-        pending = self._pending.get(notif.room)
-        if pending is not None and pending.conn is not None and pending.conn.agent_name == sender:
-            pending.finish(notif=notif)
-            return
-        for conn in self._conns.values():
-            if conn.agent_name == sender and conn.release_quarantined(notif.room):
-                return
-        self._stats["stray"] += 1
+        for notif in notifs:
+            pending = self._pending.get(notif.room)
+            conn = pending.conn if pending is not None else None
+            if pending is not None and conn is not None and conn.agent_name == sender:
+                pending.finish(notif=notif)
+            elif not any(
+                c.agent_name == sender and c.release_quarantined(notif.room)
+                for c in self._conns.values()
+            ):
+                self._stats["stray"] += 1
 
     async def _heartbeat(self) -> None:
         """Ping every prefill peer; one silent for ``peer_timeout`` is declared dead. A peer

@@ -30,6 +30,7 @@ from protocols.errors import KVTransferError, RequestError
 from protocols.kv import KVMemoryDesc, TransferNotification, Writing, encode_notification
 
 if TYPE_CHECKING:
+    from actors.kv._group import SharedWrite
     from actors.kv._prefill import PrefillKV
 
 __all__ = [
@@ -113,12 +114,13 @@ class PrefillRoom:
         self._abort = anyio.Event()  # stop the WRITE in flight
         self._tell_decode = True
         self._close_requested = False
-        self._notif = b""
         # What send() gave, until the WRITE is posted; then how write_pages takes it over.
         self._ready: tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64] | None, bytes] | None
         self._ready = None
         self._posted: _Posted | None = None
         self._post_error: ValueError | None = None
+        self._count: int | None = None  # the pages posted (send's or post's)
+        self.group: SharedWrite | None = None  # the WRITE it shares with other rooms, if any
 
     async def wait_requested(self, timeout: float | None = None) -> None:
         """Wait until decode sent its page list; raises the room's failure or ``TimeoutError``."""
@@ -128,14 +130,47 @@ class PrefillRoom:
         if self.failure is not None:
             raise self.failure
 
-    async def send(
+    def post(
         self,
         pages: PageAllocation | npt.NDArray[np.int64] | list[int],
         *,
         checksums: npt.NDArray[np.uint64] | None = None,
         aux: bytes = b"",
+    ) -> None:
+        """The first half of :meth:`send`, without waiting: hand the room its pages, and post
+        the WRITE now if decode's page list is here (else where it arrives). Then
+        ``await send()``, with no pages, for the rest. Several rooms' WRITEs posted back to back
+        this way go out before any other task runs (a drain's hand-overs)."""
+        if self.stage(pages, checksums=checksums, aux=aux) and self.request is not None:
+            self._post()
+
+    def stage(
+        self,
+        pages: PageAllocation | npt.NDArray[np.int64] | list[int],
+        *,
+        checksums: npt.NDArray[np.uint64] | None = None,
+        aux: bytes = b"",
+    ) -> bool:
+        """:meth:`post` without posting (a caller that posts several rooms as one WRITE, see
+        ``post_together``); ``False`` if the room failed already (:meth:`send` raises that)."""
+        if self.state == RoomState.FAILED and self.failure is not None:
+            return False
+        if self.state not in (RoomState.OPEN, RoomState.REQUESTED) or self._ready is not None:
+            raise RuntimeError(f"room {self.room} cannot send in state {self.state.value}")
+        local = as_page_array(pages)
+        self._count = int(local.size)
+        self._ready = (local, checksums, aux)
+        return True
+
+    async def send(
+        self,
+        pages: PageAllocation | npt.NDArray[np.int64] | list[int] | None = None,
+        *,
+        checksums: npt.NDArray[np.uint64] | None = None,
+        aux: bytes = b"",
     ) -> TransferResult:
-        """WRITE ``pages`` (computed KV in the prefill pool) into decode's pages and notify.
+        """WRITE ``pages`` (computed KV in the prefill pool) into decode's pages and notify
+        (``pages`` ``None``: those given to :meth:`post` before).
 
         Waits up to ``bootstrap_timeout`` for decode's page list first. ``checksums`` are the
         pages' checksums if the engine has them; otherwise they are computed here when decode
@@ -146,15 +181,14 @@ class PrefillRoom:
         Returns, or raises (:class:`~protocols.errors.KVTransferError` and subclasses, or
         cancellation), only once the WRITE is terminal: the pages may be freed right after.
         """
-        if self.state == RoomState.FAILED and self.failure is not None:
+        if self.state == RoomState.FAILED and self.failure is not None and self._posted is None:
             raise self.failure  # aborted before the KV was ready: decode cancelled, peer lost
-        if self.state not in (RoomState.OPEN, RoomState.REQUESTED) or self._ready is not None:
-            raise RuntimeError(f"room {self.room} cannot send in state {self.state.value}")
+        if pages is not None:
+            self.post(pages, checksums=checksums, aux=aux)
+        count = self._count
+        if count is None:
+            raise RuntimeError(f"room {self.room}: send() without pages, and none posted")
         kv = self._kv
-        local = as_page_array(pages)
-        self._ready = (local, checksums, aux)
-        if self.request is not None:
-            self._post()
         try:
             with anyio.fail_after(kv.config.bootstrap_timeout):
                 while self._posted is None and self.failure is None:
@@ -168,7 +202,7 @@ class PrefillRoom:
             if self._posted is not None:
                 self._abort.set()  # unless it is done already: then the room is done
                 with anyio.CancelScope(shield=True), contextlib.suppress(KVTransferError):
-                    await self._write(self._posted, int(local.size))
+                    await self._write(self._posted, count)
             raise
         self._ready = None
         if self._posted is None:
@@ -176,7 +210,7 @@ class PrefillRoom:
             if self._post_error is not None:
                 raise self.failure from self._post_error
             raise self.failure
-        return await self._write(self._posted, int(local.size))
+        return await self._write(self._posted, count)
 
     async def _write(self, posted: _Posted, pages: int) -> TransferResult:
         """Poll the posted WRITE to its end and settle the room (write_pages returns only once
@@ -185,17 +219,20 @@ class PrefillRoom:
         assert req is not None
         post, started, nbytes, ndescs = posted
         try:
-            seconds = await write_pages(
-                kv.agent,
-                post,
-                req.peer.agent_name,
-                timeout=cfg.transfer_timeout,
-                abort=self._abort,
-                spin_s=cfg.spin_s,
-                yields=cfg.yields,
-                settle_timeout=cfg.settle_timeout,
-                started=started,
-            )
+            if self.group is not None:
+                seconds = await self.group.wait()
+            else:
+                seconds = await write_pages(
+                    kv.agent,
+                    post,
+                    req.peer.agent_name,
+                    timeout=cfg.transfer_timeout,
+                    abort=self._abort,
+                    spin_s=cfg.spin_s,
+                    yields=cfg.yields,
+                    settle_timeout=cfg.settle_timeout,
+                    started=started,
+                )
         except BaseException as exc:
             if self.failure is None:
                 self.failure = (
@@ -223,26 +260,18 @@ class PrefillRoom:
         sender's task gets its turn; :meth:`send` then polls it to its end."""
         kv, req, ready = self._kv, self.request, self._ready
         assert req is not None and ready is not None and self.state == RoomState.REQUESTED
-        local, checksums, aux = ready
-        self._ready = None
         try:
-            start_write, nbytes, ndescs = self._plan(local, req)
+            start_write, nbytes, ndescs = plan_write(kv, ready[0], req.pages, req.peer)
         except ValueError as exc:
-            self._post_error = exc
-            self._fail(KVTransferError(f"room {self.room}: {exc}"))
+            self.reject(exc)
             return
-        sums = b""
-        if req.want_checksums:
-            if checksums is None:
-                checksums = page_checksums(kv.pool, local)
-            sums = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
-        self._notif = encode_notification(TransferNotification(self.room, sums, aux))
+        notif = encode_notification(self.notification())
         self.state = RoomState.TRANSFERRING
         kv._transfer_started(req.peer)
         kv._send(req.peer.routing_id, Writing(room=self.room))
         started = time.perf_counter()
         try:
-            posted: tuple[XferHandle, XferState] | NixlError = start_write()
+            posted: tuple[XferHandle, XferState] | NixlError = start_write(notif)
         except NixlError as exc:
             posted = exc
 
@@ -254,49 +283,24 @@ class PrefillRoom:
         self._posted = (post, started, nbytes, ndescs)
         self._wake.set()
 
-    def _plan(
-        self, local: npt.NDArray[np.int64], req: TransferRequestRecord
-    ) -> tuple[Callable[[], tuple[XferHandle, XferState]], int, int]:
-        """How to post this room's WRITE: from the prepared page lists (page indices; NIXL merges
-        consecutive pages), or from freshly coalesced descriptors, cut into pieces when the
-        agent's posting threads need more descriptors than the runs give. Raises
-        ``ValueError`` for page lists that do not fit."""
-        kv = self._kv
-        mine, theirs = kv.pool.memory_desc(), req.peer.memory
-        if local.size != req.pages.size:
-            raise ValueError(f"{local.size} pages for {req.pages.size} decode pages")
-        if mine.page_bytes != theirs.page_bytes:
-            raise ValueError("local and remote page sizes differ")
-        if local.size == 0 or int(local.min()) < 0 or int(local.max()) >= mine.num_pages:
-            raise ValueError("page index out of the prefill pool's range")
-        nbytes = int(local.size) * mine.page_bytes
-        local_list = kv._links.local if kv._links is not None else None
-        agent, remote_list = kv.agent, req.peer.dlist
-        runs = count_runs(local, req.pages)
-        pieces = split_pieces(nbytes, agent.num_threads, kv.config.split_min_bytes)
-        if local_list is not None and remote_list is not None and runs >= pieces:
-            lidx = local.astype(np.int32)
-            ridx = req.pages.astype(np.int32)
+    def notification(self) -> TransferNotification:
+        """What decode hears with the staged pages (their checksums, if it asked for them);
+        the pages are the WRITE's from here on."""
+        assert self.request is not None and self._ready is not None
+        local, checksums, aux = self._ready
+        self._ready = None
+        sums = b""
+        if self.request.want_checksums:
+            if checksums is None:
+                checksums = page_checksums(self._kv.pool, local)
+            sums = np.ascontiguousarray(checksums, dtype="<u8").tobytes()
+        return TransferNotification(self.room, sums, aux)
 
-            def start_prepped() -> tuple[XferHandle, XferState]:
-                return agent.post_prepped(local_list, lidx, remote_list, ridx, self._notif)
-
-            return start_prepped, nbytes, runs
-        # Too few runs for the agent's posting threads: cut them (prepared lists are per page).
-        descs = split(coalesce(local, mine, req.pages, theirs), pieces)
-
-        def start_raw() -> tuple[XferHandle, XferState]:
-            return agent.post(
-                "WRITE",
-                descs.local,
-                mine.mem_type,
-                descs.remote,
-                theirs.mem_type,
-                req.peer.agent_name,
-                self._notif,
-            )
-
-        return start_raw, nbytes, descs.count
+    def reject(self, exc: ValueError) -> None:
+        """Fail the room before its WRITE: its pages do not fit decode's."""
+        self._ready = None
+        self._post_error = exc
+        self._fail(KVTransferError(f"room {self.room}: {exc}"))
 
     def abort(self, reason: str = "prefill aborted the request") -> None:
         """The engine gives up on the request: decode is told, a WRITE in flight is stopped."""
@@ -344,3 +348,55 @@ class PrefillRoom:
             return
         self.state = RoomState.FAILED
         self._kv._room_failed(self, self._tell_decode)
+
+
+Start = Callable[[bytes], tuple[XferHandle, XferState]]
+"""``start(notif)``: post a planned WRITE with its notification."""
+
+
+def plan_write(
+    kv: PrefillKV,
+    local: npt.NDArray[np.int64],
+    remote: npt.NDArray[np.int64],
+    peer: PrefillPeer,
+) -> tuple[Start, int, int]:
+    """How to post a WRITE of ``local`` pages into ``peer``'s ``remote`` pages: from the
+    prepared page lists (page indices; NIXL merges consecutive pages), or from freshly
+    coalesced descriptors, cut into pieces when the agent's posting threads need more
+    descriptors than the runs give. Returns its ``start``, bytes and descriptors; raises
+    ``ValueError`` for page lists that do not fit."""
+    mine, theirs = kv.pool.memory_desc(), peer.memory
+    if local.size != remote.size:
+        raise ValueError(f"{local.size} pages for {remote.size} decode pages")
+    if mine.page_bytes != theirs.page_bytes:
+        raise ValueError("local and remote page sizes differ")
+    if local.size == 0 or int(local.min()) < 0 or int(local.max()) >= mine.num_pages:
+        raise ValueError("page index out of the prefill pool's range")
+    nbytes = int(local.size) * mine.page_bytes
+    local_list = kv._links.local if kv._links is not None else None
+    agent, remote_list = kv.agent, peer.dlist
+    runs = count_runs(local, remote)
+    pieces = split_pieces(nbytes, agent.num_threads, kv.config.split_min_bytes)
+    if local_list is not None and remote_list is not None and runs >= pieces:
+        lidx = local.astype(np.int32)
+        ridx = remote.astype(np.int32)
+
+        def start_prepped(notif: bytes) -> tuple[XferHandle, XferState]:
+            return agent.post_prepped(local_list, lidx, remote_list, ridx, notif)
+
+        return start_prepped, nbytes, runs
+    # Too few runs for the agent's posting threads: cut them (prepared lists are per page).
+    descs = split(coalesce(local, mine, remote, theirs), pieces)
+
+    def start_raw(notif: bytes) -> tuple[XferHandle, XferState]:
+        return agent.post(
+            "WRITE",
+            descs.local,
+            mine.mem_type,
+            descs.remote,
+            theirs.mem_type,
+            peer.agent_name,
+            notif,
+        )
+
+    return start_raw, nbytes, descs.count

@@ -216,8 +216,9 @@ class KVBridge:
         The rooms are opened, and offered on the requests' streams, at once: the next worker
         can admit each request and send its page list while the engine's step in flight still
         runs. The engine lets go of them all at that step's boundary; nothing is awaited after
-        it, so the senders are started (their WRITEs go out where the page lists are already
-        here) and the caller has the offers before any of their streams can see its end.
+        it, so the WRITEs whose page lists are here are posted before any other task runs (the
+        streams' last outputs among them), and the caller has the offers before any of their
+        streams can see its end.
         ``None`` for a request that cannot be handed over (abort it for a replay; every one
         on a worker that cannot hand over); a request that ended meanwhile is left out (its
         room aborted)."""
@@ -242,14 +243,21 @@ class KVBridge:
                     opened.abort(f"{rid}: not handed over")
                     opened.close()
                     del self._handovers[rid]
+        from actors.kv import post_together
+
         offers: dict[str, BootstrapInfo | None] = {}
+        handed: list[tuple[PrefillRoom, list[int], bytes]] = []
         for rid, pages in held.items():
             room = rooms.get(rid)
             if pages is None or room is None:
                 offers[rid] = None
             else:
-                senders.start_soon(self._send, rid, room, *pages, name=f"hand over {rid}")
+                handed.append((room, *pages))
+                senders.start_soon(self._send, rid, room, name=f"hand over {rid}")
                 offers[rid] = room.bootstrap
+        # Posted here, before any other task runs (the streams' last outputs among them): the
+        # rooms whose page lists are here as one WRITE to each next worker.
+        post_together(handed)
         return offers
 
     def abort_handover(self, rid: str) -> bool:
@@ -261,11 +269,11 @@ class KVBridge:
         room.abort(f"{rid}: the request continues elsewhere")
         return True
 
-    async def _send(self, rid: str, room: PrefillRoom, pages: list[int], aux: bytes) -> None:
+    async def _send(self, rid: str, room: PrefillRoom) -> None:
         assert isinstance(self.transfer, HandOver)
         try:
             with room:
-                await room.send(pages, aux=aux)
+                await room.send()
         except RequestError as exc:
             _log.info("live migration KV not sent", rid=rid, error=str(exc))
         finally:

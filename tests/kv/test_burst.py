@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import anyio.lowlevel
 
-from actors.kv import RoomState
+from actors.kv import RoomState, post_together
 from actors.kv._peer import Connect, Outcome, fill_pattern
+from protocols.errors import KVTransferError
 from tests.kv.helpers import assert_peer_clean, local_prefill, peer, receive_in_child
 
 ROOMS = 6
@@ -46,6 +49,85 @@ async def test_waiting_senders_post_their_writes_where_the_page_lists_arrive(
             assert requested == []
             assert len(out) == ROOMS and all(o.ok for o in out)
             assert kv.statistics().rooms_done == ROOMS
+            for room, alloc in zip(rooms, allocs, strict=True):
+                room.close()
+                alloc.free()
+            assert kv.is_quiescent() and kv.agent.statistics().xfers_live == 0
+            await assert_peer_clean(proc)
+
+
+async def _requested_rooms(kv: Any, proc: Any, tg: Any, out: dict[int, Outcome]) -> list[Any]:
+    """ROOMS rooms, each one's page list from the decode child here (its outcome, by room, to
+    ``out``)."""
+    rooms = [kv.open_room() for _ in range(ROOMS)]
+
+    async def receive(room: int, seed: int) -> None:
+        got: list[Outcome] = []
+        await receive_in_child(proc, kv.endpoint, room, PAGES, seed, got)
+        out[room] = got[0]
+
+    for i, room in enumerate(rooms):
+        tg.start_soon(receive, room.room, 40 + i)
+    while any(r.state is not RoomState.REQUESTED for r in rooms):
+        await anyio.sleep(0.005)
+    return rooms
+
+
+async def test_rooms_posted_together_share_one_write_and_each_lands(ipc_dir: str) -> None:
+    with anyio.fail_after(60):
+        async with local_prefill() as kv, peer("decode", ipc_dir) as (proc, _):
+            await proc.call(Connect(endpoint=kv.endpoint))
+            out: dict[int, Outcome] = {}
+            allocs = [kv.pool.alloc(PAGES) for _ in range(ROOMS)]
+            for i, alloc in enumerate(allocs):
+                fill_pattern(kv.pool, alloc.pages, 40 + i)
+            posted = kv.agent.statistics().xfers_posted
+            async with anyio.create_task_group() as tg:
+                rooms = await _requested_rooms(kv, proc, tg, out)
+                post_together([(r, a, b"") for r, a in zip(rooms, allocs, strict=True)])
+                # One WRITE for every room (one peer), posted before any sender awaits it.
+                assert kv.agent.statistics().xfers_posted == posted + 1
+                assert all(r.state is RoomState.TRANSFERRING for r in rooms)
+                results = [await r.send() for r in rooms]
+            # Each room's pages landed byte-exact, each notified on its own.
+            assert len(out) == ROOMS and all(o.ok for o in out.values()), out
+            assert [r.pages for r in results] == [PAGES] * ROOMS
+            assert kv.statistics().rooms_done == ROOMS
+            for room, alloc in zip(rooms, allocs, strict=True):
+                room.close()
+                alloc.free()
+            assert kv.is_quiescent() and kv.agent.statistics().xfers_live == 0
+            await assert_peer_clean(proc)
+
+
+async def test_a_shared_write_leaves_out_a_failed_room_and_ends_as_one(ipc_dir: str) -> None:
+    with anyio.fail_after(60):
+        async with local_prefill() as kv, peer("decode", ipc_dir) as (proc, _):
+            await proc.call(Connect(endpoint=kv.endpoint))
+            out: dict[int, Outcome] = {}
+            allocs = [kv.pool.alloc(PAGES) for _ in range(ROOMS)]
+            for i, alloc in enumerate(allocs):
+                fill_pattern(kv.pool, alloc.pages, 40 + i)
+            ended: list[str] = []
+            async with anyio.create_task_group() as tg:
+                rooms = await _requested_rooms(kv, proc, tg, out)
+                rooms[0].abort("its request went elsewhere")  # before the post: left out
+                post_together([(r, a, b"") for r, a in zip(rooms, allocs, strict=True)])
+                # Aborting a room of the shared WRITE stops it for all of them, unless it is
+                # done already (a small WRITE in host memory may be, at once).
+                rooms[3].abort("its request went elsewhere")
+                for room in rooms:
+                    try:
+                        await room.send()
+                        ended.append("done")
+                    except KVTransferError as exc:
+                        ended.append(type(exc).__name__)
+            assert ended[0] == "TransferAborted"
+            assert ended[1:] in (["done"] * (ROOMS - 1), ["TransferAborted"] * (ROOMS - 1))
+            # Each receive heard how its room ended; nothing is left on either side.
+            assert {room: o.ok for room, o in out.items()} == {
+                r.room: e == "done" for r, e in zip(rooms, ended, strict=True)
+            }
             for room, alloc in zip(rooms, allocs, strict=True):
                 room.close()
                 alloc.free()

@@ -36,10 +36,13 @@ from protocols.kv import (
     KVMemoryDesc,
     TransferNotification,
     TransferRequest,
+    Writing,
     decode_message,
     decode_notification,
+    decode_notifications,
     encode_message,
     encode_notification,
+    encode_notifications,
 )
 
 
@@ -348,6 +351,12 @@ def test_wire_messages_round_trip_and_reject_garbage() -> None:
     assert decode_message(encode_message(req)) == req
     notif = TransferNotification(room=5, checksums=b"\x02" * 8)
     assert decode_notification(encode_notification(notif)) == notif
+    # A WRITE shared by several rooms names each; one room's reads as a list of one.
+    shared = [notif, TransferNotification(room=6, aux=b"\x03")]
+    assert decode_notifications(encode_notifications(shared)) == shared
+    assert decode_notifications(encode_notification(notif)) == [notif]
+    writing = Writing(room=5, more=[6, 7])
+    assert decode_message(encode_message(writing)) == writing
     with pytest.raises(msgspec.ValidationError):
         decode_message(encode_notification(notif))
     with pytest.raises(msgspec.DecodeError):
