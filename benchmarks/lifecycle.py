@@ -24,11 +24,11 @@ live gap beyond the request's own median token gap, over the three drains;
 live_migration_extra_ms_p50_per_drain: each drain's; live_migration_extra_ms_1_inflight: the same
 for a drain with one request in flight, median of three), live_write_ms_sum and
 live_write_ms_mean (a live drain's KV WRITEs, each from its posting to NIXL's DONE as the
-draining worker saw it: summed (median drain), and per WRITE; they overlap each other and the
-rest of the drain, so neither is a term of the gap), drain_s_16_inflight (median live drain; 8
-in flight with --quick), drain_replay_s, release_overhead_ms and resume_overhead_ms (medians
-of a lifecycle release or resume of decode-1's KV cache and weights, less the engine's own
-release or resume call in it).
+draining worker saw it: summed (median drain), and per context handed over; since 2026-11-22
+the contexts whose page lists are there at the boundary share one WRITE, counted once),
+drain_s_16_inflight (median live drain; 8 in flight with --quick), drain_replay_s,
+release_overhead_ms and resume_overhead_ms (medians of a lifecycle release or resume of
+decode-1's KV cache and weights, less the engine's own release or resume call in it).
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def main() -> None:
             r["live_write_ms_sum"],
             "posting to DONE; they overlap",
         ),
-        ("  ... per WRITE (ms)", r["live_write_ms_mean"], "one context's"),
+        ("  ... per context (ms)", r["live_write_ms_mean"], "a shared WRITE's share"),
         ("token-replay gap p50 (ms)", r["replay_migration_gap_ms_p50"], "context prefilled again"),
         (
             "token-replay gap p50, prefix cached (ms)",

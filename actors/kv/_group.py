@@ -103,6 +103,12 @@ class SharedWrite:
         self._polling = False
         self._done = anyio.Event()
         self._result: float | RequestError = 0.0
+        self._counted = False
+
+    def count_time(self) -> bool:
+        """Whether the asking room counts the WRITE's time in the statistics (the first only)."""
+        first, self._counted = not self._counted, True
+        return first
 
     def post(self, start: Start, notif: bytes) -> None:
         self.started = time.perf_counter()

@@ -248,7 +248,9 @@ class PrefillRoom:
             raise
         self.state = RoomState.DONE
         kv._transfer_ended(req.peer)
-        kv._room_done(self, nbytes, ndescs, seconds)
+        # A WRITE shared by several rooms is counted once in the service's WRITE time.
+        counted = seconds if self.group is None or self.group.count_time() else 0.0
+        kv._room_done(self, nbytes, ndescs, counted)
         return TransferResult(
             room=self.room, pages=pages, nbytes=nbytes, descriptors=ndescs, seconds=seconds
         )
