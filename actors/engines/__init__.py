@@ -75,7 +75,7 @@ from actors.engines._mock._subscribe import (
     KvMetricsSubscriber,
     replay_kv_events,
 )
-from actors.engines._mock._transfer import KvPages
+from actors.engines._mock._transfer import KvPages, Offer
 from actors.engines._mock._wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -144,6 +144,7 @@ __all__ = [
     "MockEngineStatistics",
     "ModelFiles",
     "ModelPackageMissing",
+    "Offer",
     "PrefilledKV",
     "RankStatistics",
     "SGLangEngine",

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from actors.kv._nixl import NixlError, XferHandle, XferState
 from actors.kv._pool import PageAllocation
 from actors.kv._room import PrefillPeer, PrefillRoom, RoomState, Start, plan_write
-from actors.kv._transfer import TransferAborted, count_runs, write_pages
+from actors.kv._transfer import TransferAborted, count_runs
 from protocols.errors import RequestError
 from protocols.kv import Writing, encode_notifications
 
@@ -129,18 +129,9 @@ class SharedWrite:
         ended it (:class:`~protocols.errors.KVTransferError`, :class:`TransferAborted`)."""
         if not self._polling:
             self._polling = True
-            cfg = self._kv.config
             try:
-                seconds = await write_pages(
-                    self._kv.agent,
-                    self.start,
-                    self._remote,
-                    timeout=cfg.transfer_timeout,
-                    abort=self.abort,
-                    spin_s=cfg.spin_s,
-                    yields=cfg.yields,
-                    settle_timeout=cfg.settle_timeout,
-                    started=self.started,
+                seconds = await self._kv._write_pages(
+                    self.start, self._remote, self.abort, self.started
                 )
             except BaseException as exc:
                 self._result = (

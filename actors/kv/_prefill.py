@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -29,10 +30,10 @@ from actors._zmq import AsyncSocket
 from actors.kv._bootstrap import KVConfig, check_room, new_room, unpack_pages
 from actors.kv._channel import Channel
 from actors.kv._link import PeerLinks
-from actors.kv._nixl import NixlAgent, NixlError
+from actors.kv._nixl import NixlAgent, NixlError, XferHandle, XferState
 from actors.kv._pool import KVPool
 from actors.kv._room import DecodeCancelled, PrefillPeer, PrefillRoom, TransferRequestRecord
-from actors.kv._transfer import TransferAborted
+from actors.kv._transfer import TransferAborted, write_pages
 from protocols.errors import KVTransferError
 from protocols.kv import (
     BootstrapMessage,
@@ -193,6 +194,28 @@ class PrefillKV:
             peers_lost=s["lost"],
             peers_replaced=s["replaced"],
             write_seconds=self._write_s,
+        )
+
+    async def _write_pages(
+        self,
+        start: Callable[[], tuple[XferHandle, XferState]],
+        remote: str,
+        abort: anyio.Event,
+        started: float,
+    ) -> float:
+        """:func:`write_pages` (a room's WRITE, or one shared by rooms) with this service's
+        timeouts and polling."""
+        cfg = self.config
+        return await write_pages(
+            self.agent,
+            start,
+            remote,
+            timeout=cfg.transfer_timeout,
+            abort=abort,
+            spin_s=cfg.spin_s,
+            yields=cfg.yields,
+            settle_timeout=cfg.settle_timeout,
+            started=started,
         )
 
     # -- the channel ----------------------------------------------------------------------------

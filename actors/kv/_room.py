@@ -23,7 +23,6 @@ from actors.kv._transfer import (
     count_runs,
     split,
     split_pieces,
-    write_pages,
 )
 from protocols.engine import BootstrapInfo
 from protocols.errors import KVTransferError, RequestError
@@ -215,24 +214,14 @@ class PrefillRoom:
     async def _write(self, posted: _Posted, pages: int) -> TransferResult:
         """Poll the posted WRITE to its end and settle the room (write_pages returns only once
         the WRITE is terminal, on every path)."""
-        kv, req, cfg = self._kv, self.request, self._kv.config
+        kv, req = self._kv, self.request
         assert req is not None
         post, started, nbytes, ndescs = posted
         try:
             if self.group is not None:
                 seconds = await self.group.wait()
             else:
-                seconds = await write_pages(
-                    kv.agent,
-                    post,
-                    req.peer.agent_name,
-                    timeout=cfg.transfer_timeout,
-                    abort=self._abort,
-                    spin_s=cfg.spin_s,
-                    yields=cfg.yields,
-                    settle_timeout=cfg.settle_timeout,
-                    started=started,
-                )
+                seconds = await kv._write_pages(post, req.peer.agent_name, self._abort, started)
         except BaseException as exc:
             if self.failure is None:
                 self.failure = (

@@ -8,9 +8,12 @@ decode worker may instead offer the request's KV (an output whose ``disaggregate
 room on it, before the migratable error): the next decode worker then receives that KV and goes
 on from the newest token with no prefill (live migration; its first output repeats that token,
 which is dropped), and if that fails before its first output, the same migration falls back to
-token replay. A client cancel aborts the engine request and is never migrated. Each output must
-arrive within the stall timeout and the whole request within its deadline, so no request hangs
-after a worker was chosen.
+token replay. An offer that says how far the KV goes (``handover_tokens``: a drain offers as it
+begins, a step before the error) has its continuation sent to the next worker at once, so that
+worker is ready when the error comes (:class:`~actors.serving._attempt.Prepare`). A client
+cancel aborts the engine request and is never migrated. Each output must arrive within the
+stall timeout and the whole request within its deadline, so no request hangs after a worker was
+chosen.
 
 The actor decides each attempt (route, migrate, hand over, give up); the outputs of an attempt
 go to the client in the client's own task (see ``_attempt.py``), not through this actor's.
@@ -18,6 +21,7 @@ go to the client in the client's own task (see ``_attempt.py``), not through thi
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -257,23 +261,14 @@ class RequestStream(Actor):
         progress = self._progress
         assert progress is not None
         opts = self.options
-        if prefill is None:
-            return Attempt(
-                routed,
-                request,
-                outputs,
-                progress,
-                model=opts.model,
-                stall_timeout=opts.stall_timeout,
-                request_timeout=opts.request_timeout,
-                owner=self.ref,
-            )
-        return PrefillFirstAttempt(
+        kind = (
+            Attempt if prefill is None else functools.partial(PrefillFirstAttempt, prefill=prefill)
+        )
+        return kind(
             routed,
             request,
             outputs,
             progress,
-            prefill,
             model=opts.model,
             stall_timeout=opts.stall_timeout,
             request_timeout=opts.request_timeout,

@@ -74,8 +74,8 @@ class EngineHost(Actor):
         self._capacity: Any = None
         self.admitting = True
         self._running: set[str] = set()
-        # A drained request's error, and where its KV can be read (a live hand-over) or None.
-        self._handed_over: dict[str, RequestError] = {}  # a drain's, by request: its end
+        # A drained request's end (the migratable error its stream raises), from the drain on.
+        self._handed_over: dict[str, RequestError] = {}
         self._handovers = {"live": 0, "replay": 0}
         self._faults: dict[str, int] = {}
 

@@ -33,7 +33,7 @@ import contextlib
 import os
 import struct
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
@@ -42,7 +42,7 @@ import anyio.lowlevel
 import msgspec
 import structlog
 
-from actors.engines import FAKE_BOOTSTRAP_HOST
+from actors.engines import FAKE_BOOTSTRAP_HOST, Offer
 from protocols.engine import BootstrapInfo, Capacity, EngineOutput, PreprocessedRequest
 from protocols.errors import KVTransferError, RequestError
 
@@ -59,10 +59,6 @@ def needs_transfer(request: PreprocessedRequest) -> bool:
     info = request.bootstrap_info
     return info is not None and info.host != FAKE_BOOTSTRAP_HOST
 
-
-Offer = Callable[[dict[str, int]], Mapping[str, BootstrapInfo]]
-"""``offer(planned)``: a drain's rooms (their bootstrap triples) for the requests it hands over,
-given how many tokens of each one's sequence its KV will cover."""
 
 Receive = Callable[["PageAllocation", bool], Awaitable["ReceivedKV"]]
 """``receive(pages, verify)``: the request's room into ``pages`` of the bridge's pool (see

@@ -49,16 +49,26 @@ async def test_waiting_senders_post_their_writes_where_the_page_lists_arrive(
             assert requested == []
             assert len(out) == ROOMS and all(o.ok for o in out)
             assert kv.statistics().rooms_done == ROOMS
-            for room, alloc in zip(rooms, allocs, strict=True):
-                room.close()
-                alloc.free()
-            assert kv.is_quiescent() and kv.agent.statistics().xfers_live == 0
-            await assert_peer_clean(proc)
+            await _all_closed(kv, proc, rooms, allocs)
 
 
-async def _requested_rooms(kv: Any, proc: Any, tg: Any, out: dict[int, Outcome]) -> list[Any]:
-    """ROOMS rooms, each one's page list from the decode child here (its outcome, by room, to
-    ``out``)."""
+async def _all_closed(kv: Any, proc: Any, rooms: list[Any], allocs: list[Any]) -> None:
+    """Close every room, free its pages: nothing is left on either side."""
+    for room, alloc in zip(rooms, allocs, strict=True):
+        room.close()
+        alloc.free()
+    assert kv.is_quiescent() and kv.agent.statistics().xfers_live == 0
+    await assert_peer_clean(proc)
+
+
+async def _requested_rooms(
+    kv: Any, proc: Any, tg: Any, out: dict[int, Outcome]
+) -> tuple[list[Any], list[Any]]:
+    """ROOMS rooms and their pages (filled), each one's page list from the decode child here
+    (its outcome, by room, to ``out``)."""
+    allocs = [kv.pool.alloc(PAGES) for _ in range(ROOMS)]
+    for i, alloc in enumerate(allocs):
+        fill_pattern(kv.pool, alloc.pages, 40 + i)
     rooms = [kv.open_room() for _ in range(ROOMS)]
 
     async def receive(room: int, seed: int) -> None:
@@ -70,7 +80,7 @@ async def _requested_rooms(kv: Any, proc: Any, tg: Any, out: dict[int, Outcome])
         tg.start_soon(receive, room.room, 40 + i)
     while any(r.state is not RoomState.REQUESTED for r in rooms):
         await anyio.sleep(0.005)
-    return rooms
+    return rooms, allocs
 
 
 async def test_rooms_posted_together_share_one_write_and_each_lands(ipc_dir: str) -> None:
@@ -78,12 +88,9 @@ async def test_rooms_posted_together_share_one_write_and_each_lands(ipc_dir: str
         async with local_prefill() as kv, peer("decode", ipc_dir) as (proc, _):
             await proc.call(Connect(endpoint=kv.endpoint))
             out: dict[int, Outcome] = {}
-            allocs = [kv.pool.alloc(PAGES) for _ in range(ROOMS)]
-            for i, alloc in enumerate(allocs):
-                fill_pattern(kv.pool, alloc.pages, 40 + i)
             posted = kv.agent.statistics().xfers_posted
             async with anyio.create_task_group() as tg:
-                rooms = await _requested_rooms(kv, proc, tg, out)
+                rooms, allocs = await _requested_rooms(kv, proc, tg, out)
                 post_together([(r, a, b"") for r, a in zip(rooms, allocs, strict=True)])
                 # One WRITE for every room (one peer), posted before any sender awaits it.
                 assert kv.agent.statistics().xfers_posted == posted + 1
@@ -93,11 +100,7 @@ async def test_rooms_posted_together_share_one_write_and_each_lands(ipc_dir: str
             assert len(out) == ROOMS and all(o.ok for o in out.values()), out
             assert [r.pages for r in results] == [PAGES] * ROOMS
             assert kv.statistics().rooms_done == ROOMS
-            for room, alloc in zip(rooms, allocs, strict=True):
-                room.close()
-                alloc.free()
-            assert kv.is_quiescent() and kv.agent.statistics().xfers_live == 0
-            await assert_peer_clean(proc)
+            await _all_closed(kv, proc, rooms, allocs)
 
 
 async def test_a_shared_write_leaves_out_a_failed_room_and_ends_as_one(ipc_dir: str) -> None:
@@ -105,12 +108,9 @@ async def test_a_shared_write_leaves_out_a_failed_room_and_ends_as_one(ipc_dir: 
         async with local_prefill() as kv, peer("decode", ipc_dir) as (proc, _):
             await proc.call(Connect(endpoint=kv.endpoint))
             out: dict[int, Outcome] = {}
-            allocs = [kv.pool.alloc(PAGES) for _ in range(ROOMS)]
-            for i, alloc in enumerate(allocs):
-                fill_pattern(kv.pool, alloc.pages, 40 + i)
             ended: list[str] = []
             async with anyio.create_task_group() as tg:
-                rooms = await _requested_rooms(kv, proc, tg, out)
+                rooms, allocs = await _requested_rooms(kv, proc, tg, out)
                 rooms[0].abort("its request went elsewhere")  # before the post: left out
                 post_together([(r, a, b"") for r, a in zip(rooms, allocs, strict=True)])
                 # Aborting a room of the shared WRITE stops it for all of them, unless it is
@@ -128,11 +128,7 @@ async def test_a_shared_write_leaves_out_a_failed_room_and_ends_as_one(ipc_dir: 
             assert {room: o.ok for room, o in out.items()} == {
                 r.room: e == "done" for r, e in zip(rooms, ended, strict=True)
             }
-            for room, alloc in zip(rooms, allocs, strict=True):
-                room.close()
-                alloc.free()
-            assert kv.is_quiescent() and kv.agent.statistics().xfers_live == 0
-            await assert_peer_clean(proc)
+            await _all_closed(kv, proc, rooms, allocs)
 
 
 async def test_a_sender_cancelled_while_waiting_posts_nothing_after(ipc_dir: str) -> None:

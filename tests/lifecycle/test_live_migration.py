@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -72,11 +73,12 @@ async def _drain_running(
     max_tokens: int,
     drain: Any = None,
     raises: type[BaseException] | None = None,
+    before_drain: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, control.EngineStats]]:
     """Run ``prompts`` all on decode-0 (decode-1 kept out of routing until every one has its
     first token), then drain decode-0 while they generate (or send the lifecycle ``drain``,
-    which must raise ``raises`` if given). Returns the results, and every worker's statistics
-    from just before the drain."""
+    which must raise ``raises`` if given; ``before_drain`` is awaited first). Returns the
+    results, and every worker's statistics from just before the drain."""
     table = tree.serving.table
     out: list[dict[str, Any]] = []
     started = anyio.Event()
@@ -99,6 +101,8 @@ async def _drain_running(
             table.set_draining("decode-1", False)
             before.update({w: await tree.engine_stats(w) for w in tree.serving.roles})
             assert before["decode-0"].running == len(prompts)
+            if before_drain is not None:
+                await before_drain()
             with pytest.raises(raises) if raises else contextlib.nullcontext():
                 await tree.lifecycle.ask(drain or DrainWorker("decode-0"), timeout=None)
     finally:
@@ -176,9 +180,10 @@ async def test_a_request_that_ends_at_the_drains_boundary_stays() -> None:
 
 
 async def test_a_draining_worker_killed_before_its_boundary_loses_nothing() -> None:
-    # Steps of ~0.1 s: decode-0 is killed once it offered its requests (decode-1 has each
-    # one's continuation, waiting for KV that will never come) while its last step runs. Each
-    # request is replayed from its tokens instead, and decode-1's reservations are dropped.
+    # decode-0's steps are made 1000 times slower before the drain, so the drain finds one of
+    # ~100 s in flight: it is killed once it offered its requests (decode-1 has each one's
+    # continuation, waiting for KV that will never come), long before that step's boundary.
+    # Each request is replayed from its tokens instead, and decode-1's reservations are dropped.
     prompts = _prompts(4)
     async with serving_tree(**DISAGG, engine_args={"timing": {"speedup": 0.1}}) as tree:
         async with httpx.AsyncClient(base_url=tree.url) as client:
@@ -193,10 +198,16 @@ async def test_a_draining_worker_killed_before_its_boundary_loses_nothing() -> N
                         await anyio.sleep(0.005)
                 os.kill(victim, signal.SIGKILL)
 
+            async def slow_down() -> None:
+                await tree.engine("decode-0").ask(control.Perturb("slow", 1000.0))
+                await anyio.sleep(0.5)  # the step in flight then is a slow one
+
             async with anyio.create_task_group() as tg:
                 tg.start_soon(kill_once_offered)
                 # (The lifecycle actor's drain dies with the worker; its supervisor restarts it.)
-                got, _ = await _drain_running(tree, client, prompts, 20, raises=ActorCrashed)
+                got, _ = await _drain_running(
+                    tree, client, prompts, 20, raises=ActorCrashed, before_drain=slow_down
+                )
             await tree.wait_ready()
         await _quiet(tree)
     assert all(r["error"] is None and r["finish"] == "length" for r in got), got
