@@ -150,9 +150,17 @@ class Lifecycle(Actor):
     async def receive(self, message: Any) -> Any:
         match message:
             case DrainWorker(worker=worker, handover=handover, live=live):
-                await self.drain(worker, handover=handover, live=live)
+                try:
+                    await self.drain(worker, handover=handover, live=live)
+                except (ActorError, RequestError, TimeoutError) as exc:
+                    # The worker failed (died, crashed) under its drain: its supervisor restarts
+                    # it; the drain's caller gets the error, this actor goes on.
+                    raise LifecycleError(f"drain of {worker!r} failed: {exc}") from None
             case UndrainWorker(worker=worker):
-                await self.undrain(worker)
+                try:
+                    await self.undrain(worker)
+                except (ActorError, RequestError, TimeoutError) as exc:
+                    raise LifecycleError(f"undrain of {worker!r} failed: {exc}") from None
             case Release(worker=worker, pool=pool, tags=tags, rolling=rolling):
                 await self.release(self._targets(worker, pool), tags, rolling=rolling)
             case Resume(worker=worker, pool=pool, tags=tags):
