@@ -225,12 +225,15 @@ class PrefillConnection:
                 self.lost(KVTransferError(f"prefill at {self.endpoint} no longer knows us"))
             self.say_hello()
         elif isinstance(msg, Writing):
+            marked = False
             for room in (msg.room, *msg.more):
                 pending = self.rooms.get(room)
                 if pending is not None and not pending.writing and not pending.terminal:
                     pending.writing = True
                     self.writing += 1
-            self._poke()
+                    marked = True
+            if marked:
+                self._poke()
         elif isinstance(msg, RoomClosed | RoomFailed):
             if self.release_quarantined(msg.room):
                 return

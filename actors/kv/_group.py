@@ -11,17 +11,16 @@ WRITE's fate: aborting one stops the WRITE, and so fails the others too.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
 import numpy as np
 import numpy.typing as npt
 
-from actors.kv._nixl import NixlError, XferHandle, XferState
+from actors.kv._nixl import XferHandle, XferState
 from actors.kv._pool import PageAllocation
-from actors.kv._room import PrefillPeer, PrefillRoom, RoomState, Start, plan_write
+from actors.kv._room import PrefillPeer, PrefillRoom, RoomState, plan_write, post_write
 from actors.kv._transfer import TransferAborted, count_runs
 from protocols.errors import RequestError
 from protocols.kv import Writing, encode_notifications
@@ -35,9 +34,9 @@ Pages = PageAllocation | npt.NDArray[np.int64] | list[int]
 
 
 def post_together(items: Sequence[tuple[PrefillRoom, Pages, bytes]]) -> None:
-    """Give each room its pages and ``aux`` (as :meth:`PrefillRoom.post`), posting one WRITE
-    per decode peer for the rooms whose page lists are here; the others post theirs where
-    their page list arrives. Each room's owner then awaits ``room.send()``."""
+    """Give each room its pages and ``aux`` (:meth:`PrefillRoom.stage`), posting one WRITE per
+    decode peer for the rooms whose page lists are here; the others post theirs where their
+    page list arrives. Each room's owner then awaits ``room.send()``."""
     ready: dict[PrefillPeer, list[PrefillRoom]] = {}
     for room, pages, aux in items:
         if not room.stage(pages, aux=aux):
@@ -83,10 +82,10 @@ def _post_group(peer: PrefillPeer, rooms: list[PrefillRoom]) -> None:
         room._abort = shared.abort
         kv._transfer_started(peer)
     kv._send(peer.routing_id, Writing(room=fitting[0].room, more=[r.room for r in fitting[1:]]))
-    shared.post(start, notif)
+    shared.take, shared.started = post_write(start, notif)
     for room, mine, theirs in zip(fitting, local, remote, strict=True):
         runs = count_runs(mine, theirs)
-        room._posted = (shared.start, shared.started, int(mine.size) * page_bytes, runs)
+        room._posted = (shared.take, shared.started, int(mine.size) * page_bytes, runs)
         room._wake.set()
 
 
@@ -98,8 +97,8 @@ class SharedWrite:
         self._kv = kv
         self._remote = remote
         self.abort = anyio.Event()  # every room's: aborting one stops the WRITE
+        self.take: Callable[[], tuple[XferHandle, XferState]] | None = None  # see post_write
         self.started = 0.0
-        self._posted: tuple[XferHandle, XferState] | NixlError | None = None
         self._polling = False
         self._done = anyio.Event()
         self._result: float | RequestError = 0.0
@@ -110,28 +109,15 @@ class SharedWrite:
         first, self._counted = not self._counted, True
         return first
 
-    def post(self, start: Start, notif: bytes) -> None:
-        self.started = time.perf_counter()
-        try:
-            self._posted = start(notif)
-        except NixlError as exc:
-            self._posted = exc
-
-    def start(self) -> tuple[XferHandle, XferState]:
-        posted = self._posted
-        assert posted is not None
-        if isinstance(posted, NixlError):
-            raise posted  # write_pages fails the rooms with it
-        return posted
-
     async def wait(self) -> float:
         """The seconds from posting to NIXL's DONE, once the WRITE is terminal; raises what
         ended it (:class:`~protocols.errors.KVTransferError`, :class:`TransferAborted`)."""
         if not self._polling:
             self._polling = True
+            assert self.take is not None
             try:
                 seconds = await self._kv._write_pages(
-                    self.start, self._remote, self.abort, self.started
+                    self.take, self._remote, self.abort, self.started
                 )
             except BaseException as exc:
                 self._result = (

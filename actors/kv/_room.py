@@ -129,20 +129,6 @@ class PrefillRoom:
         if self.failure is not None:
             raise self.failure
 
-    def post(
-        self,
-        pages: PageAllocation | npt.NDArray[np.int64] | list[int],
-        *,
-        checksums: npt.NDArray[np.uint64] | None = None,
-        aux: bytes = b"",
-    ) -> None:
-        """The first half of :meth:`send`, without waiting: hand the room its pages, and post
-        the WRITE now if decode's page list is here (else where it arrives). Then
-        ``await send()``, with no pages, for the rest. Several rooms' WRITEs posted back to back
-        this way go out before any other task runs (a drain's hand-overs)."""
-        if self.stage(pages, checksums=checksums, aux=aux) and self.request is not None:
-            self._post()
-
     def stage(
         self,
         pages: PageAllocation | npt.NDArray[np.int64] | list[int],
@@ -150,8 +136,9 @@ class PrefillRoom:
         checksums: npt.NDArray[np.uint64] | None = None,
         aux: bytes = b"",
     ) -> bool:
-        """:meth:`post` without posting (a caller that posts several rooms as one WRITE, see
-        ``post_together``); ``False`` if the room failed already (:meth:`send` raises that)."""
+        """Hand the room its pages without posting them: a caller that posts several rooms as
+        one WRITE (``post_together``), then awaits each one's :meth:`send` with no pages.
+        ``False`` if the room failed already (:meth:`send` raises that)."""
         if self.state == RoomState.FAILED and self.failure is not None:
             return False
         if self.state not in (RoomState.OPEN, RoomState.REQUESTED) or self._ready is not None:
@@ -169,7 +156,7 @@ class PrefillRoom:
         aux: bytes = b"",
     ) -> TransferResult:
         """WRITE ``pages`` (computed KV in the prefill pool) into decode's pages and notify
-        (``pages`` ``None``: those given to :meth:`post` before).
+        (``pages`` ``None``: those given to :meth:`stage` before).
 
         Waits up to ``bootstrap_timeout`` for decode's page list first. ``checksums`` are the
         pages' checksums if the engine has them; otherwise they are computed here when decode
@@ -180,10 +167,11 @@ class PrefillRoom:
         Returns, or raises (:class:`~protocols.errors.KVTransferError` and subclasses, or
         cancellation), only once the WRITE is terminal: the pages may be freed right after.
         """
-        if self.state == RoomState.FAILED and self.failure is not None and self._posted is None:
+        if self.state == RoomState.FAILED and self.failure is not None:
             raise self.failure  # aborted before the KV was ready: decode cancelled, peer lost
-        if pages is not None:
-            self.post(pages, checksums=checksums, aux=aux)
+        staged = pages is not None and self.stage(pages, checksums=checksums, aux=aux)
+        if staged and self.request is not None:
+            self._post()  # decode's page list is here: the WRITE goes out now
         count = self._count
         if count is None:
             raise RuntimeError(f"room {self.room}: send() without pages, and none posted")
@@ -260,18 +248,8 @@ class PrefillRoom:
         self.state = RoomState.TRANSFERRING
         kv._transfer_started(req.peer)
         kv._send(req.peer.routing_id, Writing(room=self.room))
-        started = time.perf_counter()
-        try:
-            posted: tuple[XferHandle, XferState] | NixlError = start_write(notif)
-        except NixlError as exc:
-            posted = exc
-
-        def post() -> tuple[XferHandle, XferState]:
-            if isinstance(posted, NixlError):
-                raise posted  # write_pages fails the room with it
-            return posted
-
-        self._posted = (post, started, nbytes, ndescs)
+        take, started = post_write(start_write, notif)
+        self._posted = (take, started, nbytes, ndescs)
         self._wake.set()
 
     def notification(self) -> TransferNotification:
@@ -343,6 +321,25 @@ class PrefillRoom:
 
 Start = Callable[[bytes], tuple[XferHandle, XferState]]
 """``start(notif)``: post a planned WRITE with its notification."""
+
+
+def post_write(
+    start: Start, notif: bytes
+) -> tuple[Callable[[], tuple[XferHandle, XferState]], float]:
+    """Post a planned WRITE now: how :func:`write_pages` takes it over (its handle, or the
+    posting's error, which fails the rooms there), and when it was posted."""
+    started = time.perf_counter()
+    try:
+        posted: tuple[XferHandle, XferState] | NixlError = start(notif)
+    except NixlError as exc:
+        posted = exc
+
+    def take() -> tuple[XferHandle, XferState]:
+        if isinstance(posted, NixlError):
+            raise posted
+        return posted
+
+    return take, started
 
 
 def plan_write(
