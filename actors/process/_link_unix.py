@@ -226,7 +226,8 @@ class UnixLink(Link):
 
     def _read(self) -> None:
         sock = self._sock
-        assert sock is not None
+        if sock is None:
+            return  # not accepted yet: what the peer sent waits in its connection
         buf, view, handle = self._buf, self._view, self._on_message
         if self._end and self._end - self._start >= _PREFIX:
             self._handle_frames()  # left by a handler that raised

@@ -167,6 +167,35 @@ async def test_send_to_a_closed_peer_breaks_the_unix_link() -> None:
                 await anyio.sleep(0.005)
 
 
+@transports
+async def test_draining_a_link_before_its_peer_is_accepted_loses_nothing(
+    transport: Transport,
+) -> None:
+    # A child that fails at start connects, sends START_FAILED and exits: the parent's process
+    # watcher drains the link at once, maybe before the link's task accepted the connection.
+    up = _Received()
+    parent = new_link(transport, up)
+    endpoints = parent.bind(f"test-early-{os.getpid()}")
+    child = connect_link(endpoints, _Received())
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(child.run)
+            child.send(f.TELL, 7, b"first words")
+            await anyio.sleep(0.01)
+            parent.drain()  # not accepted yet: nothing to read, and no error
+            tg.start_soon(parent.run)
+            with anyio.fail_after(10):
+                while not up:
+                    await anyio.sleep(0.005)
+                    parent.drain()
+            parent.close()
+            child.close()
+    finally:
+        parent.close()
+        child.close()
+    assert up == [(f.TELL, 7, b"first words")]
+
+
 async def test_unix_link_closed_before_its_peer_connects() -> None:
     parent = new_link("unix", _Received())
     endpoints = parent.bind("test-unconnected")
