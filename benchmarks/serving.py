@@ -7,7 +7,8 @@ engine process and back) against the engine called directly, mock engine in inst
 The root runs as its own process (``actorserve run``) so its CPU time can be read apart from the
 client's; engines run in their own processes, as in production. Prints a table, then one JSON
 line with ttft_overhead_ms_p50, ttft_overhead_ms_p99, chunk_overhead_us_p50, req_per_s_c1,
-req_per_s_c32, req_per_s_c256, cpu_ms_per_req, engine_ttft_ms_p50, engine_process_ttft_ms_p50.
+req_per_s_c32, req_per_s_c256, cpu_ms_per_req, engine_ttft_ms_p50, engine_process_ttft_ms_p50,
+chunk_wakes, chunk_floor_us, chunk_overhead_us_c32, root_idle_cpu_ms_per_s.
 
 - TTFT overhead: the served time to first token minus the engine's own (in-process) p50. The
   served TTFT is measured by a light client in a process of its own (the standard library's
@@ -22,13 +23,26 @@ req_per_s_c32, req_per_s_c256, cpu_ms_per_req, engine_ttft_ms_p50, engine_proces
   counts since 2026-11-22, clock ticks of 10 ms before) per request of ``MAX_TOKENS`` tokens,
   the best of the three loads.
 - chunk_overhead_us_p50: the root's CPU time per streamed chunk. Per round, the root's CPU per
-  request is measured for requests of ``SHORT`` and of ``LONG`` tokens; the difference over the
-  difference in chunks received (``data:`` events) is what one more chunk costs, the fixed
-  per-request work cancelled out; the figure is the median over the rounds. The engine steps
-  every ~0.6 ms there (``CHUNK_TIMING``), so each output is its own write, as in real decoding
-  (an engine far faster than the root would let outputs queue and go out together, which would
-  flatter the figure). CPU time, not gaps between chunks: a gap also holds the engine's time and
-  the scheduler's noise, and the difference of two noisy gaps came out negative.
+  request is measured for requests of ``SHORT`` and of ``LONG`` tokens, one stream at a time;
+  the difference over the difference in chunks received (``data:`` events) is what one more
+  chunk costs, the fixed per-request work cancelled out; the figure is the median over the
+  rounds. The root's idle CPU (heartbeats, health checks, server ticks; measured just before:
+  ``root_idle_cpu_ms_per_s``) times the difference in duration is taken off: it grows with
+  time, not chunks. ``chunk_overhead_us_c32``: the same with 32 streams at once, where one wake
+  serves several streams' outputs (the cost that bounds a loaded root). CPU time, not
+  gaps between chunks: a gap also holds the engine's time and the scheduler's noise, and the
+  difference of two noisy gaps came out negative.
+- chunk_wakes: the root's wake-ups per extra chunk (its threads' voluntary context switches),
+  measured in the same rounds. The engine steps every ~1.9 ms there (``CHUNK_TIMING``), longer
+  than the event loops' 1 ms timer resolution, so each output is its own wake and its own write,
+  as in real decoding: about 1.0. (An engine far faster than the root lets outputs queue and go
+  out together, which flatters the figure: until 2026-11-22 the steps were 0.57 ms, which the
+  engine's virtual clock made into pairs of steps per 1 ms timer, about 0.5 wakes per chunk, so
+  earlier figures are not comparable.)
+- chunk_floor_us: the platform's part of a chunk, measured in the same run: an event loop with
+  no serving code, woken by a message over a Unix socket every 1.9 ms, writing a chunk to a TCP
+  client (``benchmarks._wake_floor``). The rest of ``chunk_overhead_us_p50`` is the serving
+  path's own work.
 """
 
 from __future__ import annotations
@@ -63,10 +77,12 @@ MAX_TOKENS = 32
 ENGINE_HOST = "actors.worker._host:EngineHost"
 
 
-# Per-chunk cost: an engine that decodes one token per ~0.6 ms step, slower than the root's work
-# per chunk, so every output reaches the client as its own write.
-CHUNK_TIMING = TimingModel(speedup=10.0)
+# Per-chunk cost: an engine that decodes one token per ~1.9 ms step, longer than the event
+# loops' 1 ms timers, so every output wakes the root and reaches the client as its own write.
+CHUNK_TIMING = TimingModel(speedup=3.0)
+CHUNK_STEP_S = CHUNK_TIMING.step_seconds(0, True, 0.0)
 SHORT, LONG = 8, 128
+LOADED = 32  # streams at once for the per-chunk cost under load
 
 
 async def engine_direct(n: int, timing: TimingModel) -> list[float]:
@@ -273,22 +289,75 @@ def start_root(
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
 
 
-async def chunk_costs(port: int, pid: int, rounds: int, per_round: int) -> list[float]:
-    """Per round: the root's CPU seconds per chunk, from requests of SHORT and LONG tokens."""
-    costs = []
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+def _wakes(pid: int) -> int:
+    """How often process ``pid``'s live threads went to sleep (voluntary context switches)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+async def chunk_costs(port: int, pid: int, rounds: int, per_round: int) -> dict[str, Any]:
+    """Per round: the root's CPU seconds and wake-ups per chunk, from requests of SHORT and LONG
+    tokens, one stream at a time and then ``LOADED`` at once; and the root's idle CPU (seconds
+    per second)."""
+    base_url = f"http://127.0.0.1:{port}"
+    clients = [httpx.AsyncClient(base_url=base_url, timeout=120) for _ in range(LOADED)]
+    try:
         for _ in range(3):
-            await _one(client, LONG)
+            await _one(clients[0], LONG)
+        start, before = time.perf_counter(), _cpu(pid)
+        await anyio.sleep(2.0)
+        idle = (_cpu(pid) - before) / (time.perf_counter() - start)
+        costs: dict[int, list[float]] = {1: [], LOADED: []}
+        wakes: list[float] = []
         for _ in range(rounds):
-            cpu: dict[int, float] = {}
-            chunks: dict[int, int] = {}
-            for tokens in (SHORT, LONG):
-                before, chunks[tokens] = _cpu(pid), 0
-                for _ in range(per_round):
-                    chunks[tokens] += (await _one(client, tokens))[1]
-                cpu[tokens] = _cpu(pid) - before
-            costs.append((cpu[LONG] - cpu[SHORT]) / (chunks[LONG] - chunks[SHORT]))
-    return costs
+            for streams, count in ((1, per_round), (LOADED, max(1, per_round // 4))):
+                cpu: dict[int, float] = {}
+                woke: dict[int, int] = {}
+                chunks: dict[int, int] = {}
+                for tokens in (SHORT, LONG):
+                    start, before, woke_before = time.perf_counter(), _cpu(pid), _wakes(pid)
+                    chunks[tokens] = await _streams(clients[:streams], count, tokens)
+                    elapsed = time.perf_counter() - start
+                    cpu[tokens] = _cpu(pid) - before - idle * elapsed
+                    woke[tokens] = _wakes(pid) - woke_before
+                more = chunks[LONG] - chunks[SHORT]
+                costs[streams].append((cpu[LONG] - cpu[SHORT]) / more)
+                if streams == 1:
+                    wakes.append((woke[LONG] - woke[SHORT]) / more)
+    finally:
+        for client in clients:
+            await client.aclose()
+    return {"chunk": costs[1], "chunk_loaded": costs[LOADED], "wakes": wakes, "idle": idle}
+
+
+async def _streams(clients: list[httpx.AsyncClient], count: int, tokens: int) -> int:
+    """``count`` streamed requests of ``tokens`` tokens on each client at once: the chunks."""
+    chunks: list[int] = []
+
+    async def run(client: httpx.AsyncClient) -> None:
+        chunks.extend([(await _one(client, tokens))[1] for _ in range(count)])
+
+    async with anyio.create_task_group() as tg:
+        for client in clients:
+            tg.start_soon(run, client)
+    return sum(chunks)
+
+
+async def wake_floor(count: int) -> float:
+    """CPU seconds per chunk of an event loop with no serving code (``benchmarks._wake_floor``),
+    paced as the engine's steps."""
+    args = [sys.executable, "-m", "benchmarks._wake_floor", str(CHUNK_STEP_S), str(count)]
+    done = await anyio.run_process(args)
+    per_wake: float = msgspec.json.decode(done.stdout.splitlines()[-1])
+    return per_wake
 
 
 async def main_async(quick: bool, mode: str, loop: str | None) -> dict[str, Any]:
@@ -298,12 +367,17 @@ async def main_async(quick: bool, mode: str, loop: str | None) -> dict[str, Any]
     async with running_root(mode, TimingModel(instant=True), loop) as (port, pid):
         result = await served(port, pid, quick)
     async with running_root(mode, CHUNK_TIMING, loop) as (port, pid):
-        result["chunk"] = await chunk_costs(port, pid, 5 if quick else 20, 5 if quick else 10)
+        result.update(await chunk_costs(port, pid, 5 if quick else 20, 5 if quick else 10))
+    floor = await wake_floor(500 if quick else 2000)
     ttft_over = [t - percentile(direct_ttft, 50) for t in result["ttft"]]
     return {
         "ttft_overhead_ms_p50": round(percentile(ttft_over, 50) * 1e3, 3),
         "ttft_overhead_ms_p99": round(percentile(ttft_over, 99) * 1e3, 3),
         "chunk_overhead_us_p50": round(percentile(result["chunk"], 50) * 1e6, 1),
+        "chunk_wakes": round(percentile(result["wakes"], 50), 2),
+        "chunk_overhead_us_c32": round(percentile(result["chunk_loaded"], 50) * 1e6, 1),
+        "chunk_floor_us": round(floor * 1e6, 1),
+        "root_idle_cpu_ms_per_s": round(result["idle"] * 1e3, 2),
         "req_per_s_c1": round(result["rates"][1], 1),
         "req_per_s_c32": round(result["rates"][32], 1),
         "req_per_s_c256": round(result["rates"][256], 1),
@@ -332,8 +406,20 @@ def main() -> None:
         (
             "per-chunk overhead p50 (us)",
             r["chunk_overhead_us_p50"],
-            f"goal <= 50; root CPU per chunk ({LONG} vs {SHORT} tokens)",
+            f"goal <= 50; root CPU per chunk ({LONG} vs {SHORT} tokens), its idle CPU off",
         ),
+        ("  root wake-ups per chunk", r["chunk_wakes"], "1: each output its own wake and write"),
+        (
+            "  platform floor per chunk (us)",
+            r["chunk_floor_us"],
+            "a bare event loop woken per chunk, writing it to TCP",
+        ),
+        (
+            f"per-chunk overhead, {LOADED} streams (us)",
+            r["chunk_overhead_us_c32"],
+            "p50; one wake serves several streams' outputs",
+        ),
+        ("root idle CPU (ms/s)", r["root_idle_cpu_ms_per_s"], "heartbeats, health checks, ticks"),
         ("requests/s, concurrency 1", r["req_per_s_c1"], f"{MAX_TOKENS} tokens each"),
         ("requests/s, concurrency 32", r["req_per_s_c32"], ""),
         ("requests/s, concurrency 256", r["req_per_s_c256"], ""),
