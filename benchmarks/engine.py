@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import anyio
 from rich.console import Console
@@ -65,7 +66,7 @@ def _formula_seconds(records: list[StepRecord], timing: TimingModel) -> float:
     return total_ms / 1000.0 / timing.speedup
 
 
-DEVICE = "auto"  # where the KV pages live (--device)
+DEVICE: Literal["auto", "cpu", "cuda"] = "auto"  # where the KV pages live (--device)
 
 
 async def timing_fidelity(n: int, speedup: float) -> dict[str, float]:

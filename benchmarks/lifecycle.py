@@ -133,7 +133,9 @@ class Bench:
         table = self.serving.table
         prompts = [f"{tag} {i} {CONTEXT}" for i in range(inflight or self.inflight)]
         table.set_draining("decode-1", True)  # every request starts on decode-0
-        async with _clients(self.serving.port, prompts) as clients:
+        port = self.serving.port
+        assert port is not None  # the tree serves HTTP
+        async with _clients(port, prompts) as clients:
             table.set_draining("decode-1", False)
             if flush:
                 assert await self.engine("prefill-0").ask(control.FlushCache())
