@@ -55,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import IO, Any
 
 import anyio
@@ -184,14 +184,25 @@ def _cpu(pid: int) -> float:
     (``/proc/<pid>/task/*/schedstat``): ``cpu_times`` counts in clock ticks of 10 ms, which made
     the per-chunk figure jump in steps of 17 us. A thread that ended meanwhile takes its time
     with it; the root's threads (ZMQ's I/O thread, anyio's workers) outlive a measurement."""
+    return _per_thread(pid, "schedstat", lambda text: int(text.split()[0])) / 1e9
+
+
+def _wakes(pid: int) -> int:
+    """How often process ``pid``'s live threads went to sleep (voluntary context switches)."""
+    field = "\nvoluntary_ctxt_switches:"  # not nonvoluntary_ctxt_switches
+    return _per_thread(pid, "status", lambda text: int(text.split(field)[1].split()[0]))
+
+
+def _per_thread(pid: int, name: str, value: Callable[[str], int]) -> int:
+    """The sum of ``value`` over process ``pid``'s live threads' ``/proc`` file ``name``."""
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
-                total += int(stat.read().split()[0])
+            with open(f"/proc/{pid}/task/{task}/{name}") as file:
+                total += value(file.read())
         except (FileNotFoundError, ProcessLookupError):
             continue  # the thread ended just now
-    return total / 1e9
+    return total
 
 
 async def served(port: int, pid: int, quick: bool) -> dict[str, Any]:
@@ -287,20 +298,6 @@ def start_root(
         *(["--loop", loop] if loop else []),
     ]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
-
-
-def _wakes(pid: int) -> int:
-    """How often process ``pid``'s live threads went to sleep (voluntary context switches)."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/status") as status:
-                for line in status:
-                    if line.startswith("voluntary_ctxt_switches:"):
-                        total += int(line.split()[1])
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
 
 
 async def chunk_costs(port: int, pid: int, rounds: int, per_round: int) -> dict[str, Any]:
