@@ -13,7 +13,7 @@ from typing import Protocol
 import anyio
 import anyio.lowlevel
 
-from actors._backend import Parking, backend
+from actors._backends import Parking, backend
 
 __all__ = ["Clock", "RealClock", "VirtualClock"]
 

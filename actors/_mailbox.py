@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Awaitable
 from typing import Any
 
-from actors._backend import Backend, Parking
+from actors._backends import Backend, Parking
 from actors._errors import MailboxFull
 
 __all__ = ["ASK", "ASK_ABORTABLE", "STREAM", "TELL", "Mailbox"]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, over
 
 import attrs
 
-from actors._backend import Backend, Parking
+from actors._backends import Backend, Parking
 from actors._errors import (
     ActorCrashed,
     ActorNotRunning,
@@ -198,7 +198,7 @@ class Cell:
         if self.state is CellState.RESTARTING and policy.mode == "wait":
             import anyio
 
-            from actors._backend import backend
+            from actors._backends import backend
 
             with anyio.move_on_after(policy.timeout):
                 while self.state is CellState.RESTARTING:
@@ -219,7 +219,7 @@ class Monitor:
     __slots__ = ("_cell", "_id", "_reason", "_spot", "ref")
 
     def __init__(self, ref: ActorRef[Any]) -> None:
-        from actors._backend import backend
+        from actors._backends import backend
 
         self.ref = ref
         self._cell = ref._cell
@@ -346,7 +346,7 @@ class ActorRef(Generic[R]):
         Pass ``ref.statistics().incarnation`` to wait for a restart. Raises
         :class:`ActorNotRunning` if the actor ends up dead instead.
         """
-        from actors._backend import backend
+        from actors._backends import backend
 
         cell = self._cell
         while not (cell.state is CellState.RUNNING and cell.incarnation > after):

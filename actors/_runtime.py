@@ -16,7 +16,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from actors._actor import Actor, Exit, LinkedExit, deliver_notice
-from actors._backend import Backend, Reply, backend
+from actors._backends import Backend, Reply, backend
 from actors._errors import ActorCrashed, ReplyError, StreamCancelled
 from actors._exit import ExitReason
 from actors._mailbox import ASK, ASK_ABORTABLE, STREAM, TELL, Mailbox

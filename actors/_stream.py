@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from anyio import WouldBlock
 
-from actors._backend import Backend, Parking
+from actors._backends import Backend, Parking
 from actors._errors import StreamCancelled
 
 if TYPE_CHECKING:

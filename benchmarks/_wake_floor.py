@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from actors._loops import default_loop, run_on
+from actors.lowlevel import default_loop, run_on
 
 MESSAGE, CHUNK = b"m" * 60, b"c" * 160
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import anyio.lowlevel
 
-from actors.engines import MockEngine, MockEngineConfig, StepRecord, TimingModel
+from actors.serving.engines import MockEngine, MockEngineConfig, StepRecord, TimingModel
 from protocols.engine import PreprocessedRequest, StopConditions
 
 

@@ -52,17 +52,15 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.engines._hf import HFEngine, HFEngineConfig, find_smollm2
-from actors.engines._hf._model import load_model
 from actors.serving import ServeConfig, Serving
+from actors.serving.engines import HFEngine, HFEngineConfig, find_smollm2, load_model
+from actors.serving.root import Budgets, RootOptions, serving_children
 from protocols.engine import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
 )
 from supervisors import SupervisorFlags, open_supervisor
-from supervisors._lifecycle import Budgets
-from supervisors._root import RootOptions, serving_children
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -4,11 +4,11 @@
                                      [--threads N] [--split-min-bytes N] [--no-baseline]
 
 This process is the prefill worker (its pool on cpu or cuda:0); a decode worker runs in a child
-process (``python -m actors.kv._peer``, its pool on cpu or cuda:1). Every transfer goes through
-the real path: decode allocates pages and sends the room's page list over the bootstrap channel,
-prefill WRITEs its pages with one NIXL transfer (runs coalesced) and one notification, decode
-receives the notification. The time measured is prefill's WRITE, from creating and posting the
-NIXL transfer to NIXL's DONE, when the KV and the notification are at decode (the bootstrap
+process (``python -m actors.serving.kv._peer``, its pool on cpu or cuda:1). Every transfer goes
+through the real path: decode allocates pages and sends the room's page list over the bootstrap
+channel, prefill WRITEs its pages with one NIXL transfer (runs coalesced) and one notification,
+decode receives the notification. The time measured is prefill's WRITE, from creating and posting
+the NIXL transfer to NIXL's DONE, when the KV and the notification are at decode (the bootstrap
 round trip before it and the handle's release after it are not counted; the release is shown
 apart); the first transfer of every configuration is verified (per-page checksums), the timed
 ones are not.
@@ -61,10 +61,10 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.kv import KVConfig, KVPool, NixlAgent, PrefillKV, bootstrap_info
-from actors.kv import _transfer as transfer_mod
-from actors.kv._bootstrap import pack_pages
-from actors.kv._peer import PeerProcess, Receive, Stats
+from actors.serving.kv import KVConfig, KVPool, NixlAgent, PrefillKV, bootstrap_info
+from actors.serving.kv import _transfer as transfer_mod
+from actors.serving.kv._bootstrap import pack_pages
+from actors.serving.kv._peer import PeerProcess, Receive, Stats
 
 MiB = 1 << 20
 SIZES_MIB = (1, 16, 64, 256)

@@ -49,16 +49,23 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from actors import ActorRef, current_registry
-from actors.engines._mock._kvmem import resolve_device
 from actors.serving import ServeConfig, Serving
+from actors.serving.engines import resolve_device
+from actors.serving.root import (
+    Budgets,
+    DrainWorker,
+    Release,
+    Resume,
+    RootOptions,
+    UndrainWorker,
+    serving_children,
+)
+from actors.serving.worker import engine_name
 from actors.telemetry import REGISTRY
-from actors.worker import engine_name
 from benchmarks._common import percentile, report
 from protocols import control
 from protocols.engine import MemoryTag
 from supervisors import SupervisorFlags, open_supervisor
-from supervisors._lifecycle import Budgets, DrainWorker, Release, Resume, UndrainWorker
-from supervisors._root import RootOptions, serving_children
 
 ENGINE: dict[str, Any] = {
     "num_blocks": 4096,

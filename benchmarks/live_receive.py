@@ -39,14 +39,13 @@ import time
 import anyio
 import anyio.lowlevel
 
-from actors.engines import (
+from actors.serving.engines import (
     EngineStream,
     KvPages,
     MockEngine,
     MockEngineConfig,
     TimingModel,
     page_content,
-    prompt_page_hashes,
 )
 from benchmarks._common import percentile, report
 from protocols.engine import (
@@ -55,6 +54,7 @@ from protocols.engine import (
     SamplingOptions,
     StopConditions,
 )
+from protocols.pages import prompt_page_hashes
 
 CONTEXT = 4103  # a 4k-token context with a partial last page
 BLOCK = 64

@@ -62,19 +62,18 @@ import anyio
 import httpx
 import msgspec
 
-from actors._loops import default_loop
-from actors._net import free_port
-from actors.engines import MockEngine, MockEngineConfig, TimingModel
+from actors.lowlevel import default_loop, free_port
 from actors.process import ProcessOptions
+from actors.serving.cli import resolve_loop
+from actors.serving.engines import MockEngine, MockEngineConfig, TimingModel
+from actors.serving.root import wait_healthy
 from benchmarks._common import percentile, report
 from protocols import PreprocessedRequest, SamplingOptions, StopConditions
 from supervisors import open_supervisor, process_child
-from supervisors._cli import resolve_loop
-from supervisors._root import wait_healthy
 
 PROMPT = "benchmark the serving path " * 4
 MAX_TOKENS = 32
-ENGINE_HOST = "actors.worker._host:EngineHost"
+ENGINE_HOST = "actors.serving.worker._host:EngineHost"
 
 
 # Per-chunk cost: an engine that decodes one token per ~1.9 ms step, longer than the event
@@ -272,7 +271,7 @@ def start_root(
     args = [
         sys.executable,
         "-m",
-        "supervisors._cli_main",
+        "actors.serving",
         "run",
         "--backend",
         "mock",

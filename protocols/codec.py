@@ -4,8 +4,10 @@ A message is encoded as ``[tag, payload]`` in msgpack. Plain data (None, bool, n
 bytes, lists, dicts) has the empty tag. ``msgspec.Struct`` types (the hot path: engine requests
 and outputs) and ``attrs`` classes (control messages, structured by cattrs) must be registered
 with :func:`register`; the tag is their registered name, so decoding never imports arbitrary code.
-Errors travel as ``(tag, message)`` or, for :class:`~protocols.errors.RequestError`, as their
-stable code, and come back as the same type.
+Errors travel as ``(tag, message)``, or as a registered family's stable code (the request errors
+of :mod:`protocols.errors`), and come back as the same type. Message modules register their own
+types (:mod:`protocols.engine` its structs, :mod:`protocols.errors` its family), so the codec,
+which the actor runtime uses for every process actor, knows no engine message.
 
 A batch (:func:`encode_many`, a stream's items) is ``[tag, [payload, ...]]`` when every item has
 the same tag, so the whole batch is one msgspec call each way; a mixed batch is ``["*", [message,
@@ -23,9 +25,6 @@ import attrs
 import cattrs.preconf.msgspec
 import msgspec
 
-from protocols import engine as _engine
-from protocols import errors as _errors
-
 __all__ = [
     "CodecError",
     "RemoteError",
@@ -37,9 +36,11 @@ __all__ = [
     "encode_many",
     "register",
     "register_error",
+    "register_error_family",
 ]
 
 T = TypeVar("T", bound=type)
+E = TypeVar("E", bound=BaseException)
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
@@ -57,6 +58,9 @@ _tag_of: dict[type, str] = {}
 _decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 _batch_decoders: dict[str, Callable[[msgspec.Raw], list[Any]]] = {}
 _errors_by_tag: dict[str, type[BaseException]] = {}
+_ToWire = Callable[[Any], tuple[str, str]]
+_FromWire = Callable[[str, str], BaseException]
+_families: dict[str, tuple[type[BaseException], _ToWire, _FromWire]] = {}  # by family name
 
 
 class CodecError(ValueError):
@@ -191,10 +195,22 @@ def _unencodable(what: str, exc: Exception) -> CodecError:
     return CodecError(f"cannot encode {what}: {exc} (register it with protocols.codec.register)")
 
 
+def register_error_family(
+    name: str,
+    base: type[E],
+    to_wire: Callable[[E], tuple[str, str]],
+    from_wire: Callable[[str, str], BaseException],
+) -> None:
+    """Send every ``base`` error as its stable ``(code, message)`` under ``name``; the receiver
+    rebuilds it with ``from_wire``."""
+    _families[name] = (base, to_wire, from_wire)
+
+
 def encode_error(error: BaseException) -> bytes:
-    if isinstance(error, _errors.RequestError):
-        code, message = error.to_wire()
-        return _encoder.encode(("request", code, message))
+    for family, (base, to_wire, _) in _families.items():
+        if isinstance(error, base):
+            code, message = to_wire(error)
+            return _encoder.encode((family, code, message))
     tag = next((t for t, c in _errors_by_tag.items() if type(error) is c), "")
     name = tag or f"{type(error).__module__}.{type(error).__qualname__}"
     return _encoder.encode(("error", name, str(error)))
@@ -205,8 +221,9 @@ def decode_error(data: bytes | bytearray | memoryview) -> BaseException:
         kind, name, message = _plain.decode(data)
     except (msgspec.DecodeError, ValueError) as exc:
         return CodecError(f"malformed error: {exc}")
-    if kind == "request":
-        return _errors.error_from_wire(name, message)
+    family = _families.get(kind)
+    if family is not None:
+        return family[2](name, message)
     cls = _errors_by_tag.get(name)
     if cls is not None:
         return cls(message)
@@ -214,17 +231,3 @@ def decode_error(data: bytes | bytearray | memoryview) -> BaseException:
 
 
 register_error(CodecError, "codec.CodecError")  # a message the other side could not encode
-
-for _cls in (
-    _engine.StopConditions,
-    _engine.SamplingOptions,
-    _engine.BootstrapInfo,
-    _engine.RoutingHints,
-    _engine.PreprocessedRequest,
-    _engine.Usage,
-    _engine.EngineOutput,
-    _engine.Capacity,
-    _engine.PauseMode,
-    _engine.MemoryTag,
-):
-    register(_cls, f"engine.{_cls.__name__}")

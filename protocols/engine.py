@@ -15,6 +15,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from protocols import codec
+
 __all__ = [
     "BootstrapInfo",
     "Capacity",
@@ -225,3 +227,18 @@ class Engine(Protocol):
     def health_payload(self) -> PreprocessedRequest: ...
 
     async def cleanup(self) -> None: ...
+
+
+for _cls in (
+    StopConditions,
+    SamplingOptions,
+    BootstrapInfo,
+    RoutingHints,
+    PreprocessedRequest,
+    Usage,
+    EngineOutput,
+    Capacity,
+    PauseMode,
+    MemoryTag,
+):
+    codec.register(_cls, f"engine.{_cls.__name__}")

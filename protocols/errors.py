@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from protocols import codec
+
 __all__ = [
     "ContextLengthExceeded",
     "EngineFailure",
@@ -175,3 +177,6 @@ def error_from_wire(code: str, message: str) -> RequestError:
             return cls(message)
     err = RequestError(f"{code}: {message}")
     return err
+
+
+codec.register_error_family("request", RequestError, RequestError.to_wire, error_from_wire)

@@ -72,8 +72,8 @@ def run_scenarios(
     log_level: Annotated[str, typer.Option(help="Log level of the serving tree.")] = "error",
 ) -> None:
     """Run scenarios (engines in child processes, HTTP on 127.0.0.1); exit 1 on a failure."""
+    from actors.serving.cli import configure_logging
     from scenarios._runner import run
-    from supervisors._cli import configure_logging
 
     configure_logging(log_level)
     try:

@@ -14,7 +14,7 @@ import httpx
 
 from actors import ActorError, ActorRef, current_registry
 from actors.serving import Serving
-from actors.worker import engine_name
+from actors.serving.worker import engine_name
 from protocols import control
 from scenarios._faults_model import (
     Burst,

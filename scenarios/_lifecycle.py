@@ -10,16 +10,16 @@ import anyio
 import attrs
 
 from actors import ActorRef, current_registry
+from actors.serving.root import DrainWorker, Release, Resume, UndrainWorker
 from protocols.engine import MemoryTag
 from scenarios._faults_model import Fault, _WorkerFault, register_fault
 from scenarios._inject import FaultRecord, Target, register_injector
 from scenarios._metrics import gauge
 from scenarios._subprocess import DRAIN_S
-from supervisors._lifecycle import DrainWorker, Release, Resume, UndrainWorker
 
 __all__ = ["DrainAndUndrain", "ReleaseAndResume", "RollingRelease", "SignalRoot"]
 
-_LIFECYCLE = "lifecycle"  # the lifecycle actor's registered name (supervisors._root)
+_LIFECYCLE = "lifecycle"  # the lifecycle actor's registered name (actors.serving.root._root)
 _INFLIGHT = "actorserve_frontend_inflight_requests"
 
 

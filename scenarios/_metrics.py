@@ -83,7 +83,7 @@ COUNTERS: Mapping[str, Callable[[Sample], float]] = {
     "escalations": _events("escalated"),
     "backoffs": _events("backoff"),
     "start_failures": _events("start_failed"),
-    # Lifecycle stages (supervisors._lifecycle) that completed, or failed.
+    # Lifecycle stages (actors.serving.root._lifecycle) that completed, or failed.
     "releases": _sum("actorserve_lifecycle_stages_total", _stage("release_memory", "completed")),
     "resumes": _sum("actorserve_lifecycle_stages_total", _stage("resume_memory", "completed")),
     "drains": _sum("actorserve_lifecycle_stages_total", _stage("stop_admission", "completed")),

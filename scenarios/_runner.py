@@ -16,6 +16,7 @@ import sniffio
 
 import scenarios._lifecycle  # noqa: F401  (the lifecycle faults' injectors)
 from actors.serving import ServeConfig, Serving
+from actors.serving.root import Budgets, RootOptions, serving_children
 from scenarios._checks import client_counters, evaluate, recovery_time
 from scenarios._faults_model import CrashLoop
 from scenarios._inject import FaultRecord, Target, inject
@@ -26,16 +27,14 @@ from scenarios._report import CheckResult, Report, RequestSummary
 from scenarios._subprocess import open_root_process
 from scenarios._workload import Clock, RequestRecord, run_workload
 from supervisors import SupervisorFlags, open_supervisor
-from supervisors._lifecycle import Budgets
-from supervisors._root import RootOptions, serving_children
 
 __all__ = ["run", "run_scenario"]
 
 _START_TIMEOUT_S = 60.0
 _IDLE_TIMEOUT_S = 5.0
 # A prefill may owe KV to a decode worker that died before claiming it: the pages are held until
-# the bootstrap timeout (actors.kv.KVConfig.bootstrap_timeout, 30 s) ends the room. A bounded
-# hold, not a leak; the report says how long the engines took to be idle ("kv_idle").
+# the bootstrap timeout (actors.serving.kv.KVConfig.bootstrap_timeout, 30 s) ends the room. A
+# bounded hold, not a leak; the report says how long the engines took to be idle ("kv_idle").
 _DISAGG_IDLE_TIMEOUT_S = 35.0
 
 

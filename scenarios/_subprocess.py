@@ -65,7 +65,7 @@ def _command(config_path: Path, backend: str) -> list[str]:
     return [
         sys.executable,
         "-c",
-        "from supervisors._cli import main; main()",
+        "from actors.serving.cli import main; main()",
         "run",
         "--config",
         str(config_path),

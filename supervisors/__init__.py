@@ -18,16 +18,6 @@ from supervisors._errors import (
     SupervisorExited,
 )
 from supervisors._events import REGISTRY as METRICS_REGISTRY
-from supervisors._lifecycle import (
-    Budgets,
-    DrainWorker,
-    Lifecycle,
-    LifecycleError,
-    Release,
-    Resume,
-    UndrainWorker,
-    WorkerStates,
-)
 from supervisors._open import open_supervisor
 from supervisors._spec import (
     AutoShutdown,
@@ -40,12 +30,12 @@ from supervisors._spec import (
     process_child,
 )
 from supervisors._supervisor import Supervisor
+from supervisors._tree import TreeNode, render_tree, snapshot_tree
 
 __all__ = [
     "METRICS_REGISTRY",
     "AutoShutdown",
     "Backoff",
-    "Budgets",
     "ChildAlreadyPresent",
     "ChildAlreadyStarted",
     "ChildCount",
@@ -55,14 +45,9 @@ __all__ = [
     "ChildRunning",
     "ChildSpec",
     "ChildStartFailed",
-    "DrainWorker",
     "InvalidChildSpec",
     "InvalidFlags",
-    "Lifecycle",
-    "LifecycleError",
-    "Release",
     "Restart",
-    "Resume",
     "Shutdown",
     "Strategy",
     "Supervisor",
@@ -71,8 +56,9 @@ __all__ = [
     "SupervisorFlags",
     "SupervisorRef",
     "SupervisorStatistics",
-    "UndrainWorker",
-    "WorkerStates",
+    "TreeNode",
     "open_supervisor",
     "process_child",
+    "render_tree",
+    "snapshot_tree",
 ]

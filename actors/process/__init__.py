@@ -6,8 +6,8 @@ Engines run this way so a CUDA fault or an OOM kill cannot take the root down. T
 is detected through the process sentinel, hangs through heartbeats, a closed socket by the link.
 """
 
+from actors._backends._loops import default_loop
 from actors._errors import ReplyError
-from actors._loops import default_loop
 from actors.process._link import LinkBroken, Transport
 from actors.process._parent import ProcessActor, ProcessDied, ProcessOptions
 from actors.process._spawn import preload

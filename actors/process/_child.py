@@ -19,10 +19,10 @@ from typing import Any
 import anyio
 import msgspec
 
-from actors._backend import Backend, backend
+from actors._backends import Backend, backend
+from actors._backends._loops import run_on
 from actors._errors import ActorCrashed, StreamCancelled
 from actors._exit import ExitReason
-from actors._loops import run_on
 from actors._mailbox import ASK_ABORTABLE, STREAM, TELL
 from actors._ref import ActorRef, Cell, CellState
 from actors._runtime import Incarnation

@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import sniffio
 
-from actors._backend import Parking, backend
+from actors._backends import Parking, backend
 from actors._errors import ActorError
 from actors.process._frames import Body
 
@@ -382,7 +382,7 @@ class Link:
     async def _read_for(self, reply: Any) -> Any:
         import trio
 
-        from actors._backend_trio import ABANDONED
+        from actors._backends._trio import ABANDONED
 
         self._reader = reply
         fd, kick = self._fd, self._kick

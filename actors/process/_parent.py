@@ -27,10 +27,10 @@ import attrs
 import msgspec
 
 from actors._actor import Actor
-from actors._backend import Reply, backend
+from actors._backends import Reply, backend
+from actors._backends._loops import Loop, default_loop
 from actors._errors import ActorCrashed, ActorNotRunning
 from actors._exit import ExitReason
-from actors._loops import Loop, default_loop
 from actors._mailbox import ASK, STREAM, TELL, Item
 from actors._ref import crash_error
 from actors._stream import StreamChannel

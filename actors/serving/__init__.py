@@ -1,21 +1,52 @@
-"""The serving path: routing view, router, request-stream actors, the frontend's backend, and
-the tree ``actorserve run`` builds."""
+"""The serving application: what ``actorserve run`` builds on the actor runtime.
 
-from actors.serving._admission import Admission
-from actors.serving._attempt import RequestOutputs
-from actors.serving._config import ServeConfig, load_config
-from actors.serving._request import RequestStream, StreamOptions
-from actors.serving._router import Route, Routed, Router
-from actors.serving._routing import RoutingTable, WorkerEntry
-from actors.serving._service import ModelService
-from actors.serving._tree import Frontend, Serving, build_tree
+Sub-packages, lowest layer first (``pyproject.toml``'s import-linter contracts keep them so):
+
+- :mod:`~actors.serving.engines`, :mod:`~actors.serving.kv`, :mod:`~actors.serving.frontend`:
+  the engine backends, KV transfer over NIXL, the OpenAI-compatible HTTP API;
+- :mod:`~actors.serving.worker`: one worker = engine process actor + publisher + health checker;
+- :mod:`~actors.serving.routing` and :mod:`~actors.serving.requests`: the routing view and the
+  request-stream actors that own each request;
+- :mod:`~actors.serving.root`: the tree, its lifecycles and control; :mod:`actors.serving.cli`,
+  the ``actorserve`` command.
+"""
+
+from actors.serving.requests import Admission, RequestOutputs, RequestStream, StreamOptions
+from actors.serving.root import (
+    Budgets,
+    DrainWorker,
+    Frontend,
+    Lifecycle,
+    LifecycleError,
+    ModelService,
+    Release,
+    Resume,
+    RootOptions,
+    ServeConfig,
+    Serving,
+    UndrainWorker,
+    WorkerStates,
+    build_tree,
+    load_config,
+    run_root,
+    serving_children,
+    wait_healthy,
+)
+from actors.serving.routing import Route, Routed, Router, RoutingTable, WorkerEntry
 
 __all__ = [
     "Admission",
+    "Budgets",
+    "DrainWorker",
     "Frontend",
+    "Lifecycle",
+    "LifecycleError",
     "ModelService",
+    "Release",
     "RequestOutputs",
     "RequestStream",
+    "Resume",
+    "RootOptions",
     "Route",
     "Routed",
     "Router",
@@ -23,7 +54,12 @@ __all__ = [
     "ServeConfig",
     "Serving",
     "StreamOptions",
+    "UndrainWorker",
     "WorkerEntry",
+    "WorkerStates",
     "build_tree",
     "load_config",
+    "run_root",
+    "serving_children",
+    "wait_healthy",
 ]

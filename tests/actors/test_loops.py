@@ -7,8 +7,8 @@ import asyncio
 import anyio
 import pytest
 
-from actors._loops import run_on
-from actors._uvloop import Loop
+from actors._backends._loops import run_on
+from actors._backends._uvloop import Loop
 
 # Between libuv's millisecond ticks, on them, past them, and already due.
 DELAYS = (0.0003, 0.0008, 0.001, 0.0015, 0.005, 0.0109999, 0.0, -0.01)

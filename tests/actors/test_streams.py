@@ -12,7 +12,7 @@ import anyio.lowlevel
 import pytest
 
 from actors import Actor, ActorCrashed, ActorNotRunning, ReplyError
-from actors._backend import backend
+from actors._backends import backend
 from actors._stream import StreamChannel
 from supervisors import ChildSpec, Restart, SupervisorFlags, open_supervisor
 from tests.helpers.supervision import Boom, Refused, crash, wait_until

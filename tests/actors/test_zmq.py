@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from actors._zmq import AsyncSocket
-from actors.kv._channel import Channel
+from actors.serving.kv._channel import Channel
 
 pytestmark = pytest.mark.anyio
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 
-from actors.engines import MockEngine, MockEngineConfig, TimingModel
+from actors.serving.engines import MockEngine, MockEngineConfig, TimingModel
 from protocols.engine import (
     BootstrapInfo,
     EngineOutput,

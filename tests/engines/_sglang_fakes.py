@@ -1,7 +1,7 @@
 """Fakes of SGLang built from the signature record, and helpers for the backend's tests.
 
 SGLang cannot run here, so every fake SGLang callable binds its arguments with an
-``inspect.Signature`` rebuilt from ``actors/engines/sglang_api.json`` (a mismatch raises
+``inspect.Signature`` rebuilt from ``actors/serving/engines/sglang_api.json`` (a mismatch raises
 ``TypeError``, as the real call would), records the call, and answers the way SGLang 0.5.x does:
 dict chunks with ``output_ids`` and ``meta_info`` (id, finish_reason{type}, prompt/completion/
 cached tokens), a ``rid_to_state`` registry whose entries become ``dispatched``, aborts that are
@@ -31,9 +31,9 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.engines import _sglang_record as record_mod
-from actors.engines._sglang import SGLangEngine, SGLangRequiresAsyncio
-from actors.engines._sglang_config import (
+from actors.serving.engines._sglang import SGLangEngine, SGLangRequiresAsyncio
+from actors.serving.engines._sglang import _record as record_mod
+from actors.serving.engines._sglang._config import (
     SGLangAPI,
 )
 from protocols.engine import (
@@ -47,10 +47,7 @@ from protocols.engine import (
 RECORD: dict[str, Any] = json.loads(record_mod.RECORD_PATH.read_text(encoding="utf-8"))
 FAKE_HOST: str = RECORD["constants"]["FAKE_BOOTSTRAP_HOST"]["value"]
 ENGINE_DIR = Path(record_mod.__file__).parent
-BACKEND_SOURCES = [
-    ENGINE_DIR / f
-    for f in ("_sglang.py", "_sglang_stream.py", "_sglang_config.py", "_sglang_launch.py")
-]
+BACKEND_SOURCES = [ENGINE_DIR / f for f in ("_engine.py", "_stream.py", "_config.py", "_launch.py")]
 
 # ------------------------------------------------------------------------------------------
 # Signatures rebuilt from the record

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from actors.engines._hf import (
+from actors.serving.engines._hf import (
     HFEngine,
     HFEngineConfig,
     KVLayout,
@@ -31,8 +31,8 @@ from actors.engines._hf import (
     find_smollm2,
     pages_needed,
 )
-from actors.engines._hf._kv import PagePool
-from actors.engines._hf._model import load_model
+from actors.serving.engines._hf._kv import PagePool
+from actors.serving.engines._hf._model import load_model
 from protocols.engine import (
     Engine,
     EngineOutput,

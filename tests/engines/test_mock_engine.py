@@ -8,7 +8,7 @@ import gc
 import anyio
 import pytest
 
-from actors.engines import MockEngine, TimingModel
+from actors.serving.engines import MockEngine, TimingModel
 from protocols.engine import Engine, MemoryTag, PauseMode
 from protocols.errors import ContextLengthExceeded, EngineShutdown, InvalidRequest
 from tests.engines._mock_helpers import (

@@ -10,11 +10,13 @@ import anyio
 import msgspec
 import pytest
 
-from actors.engines import BlockStored, KvPages, MockEngine, TimingModel, replay_kv_events
-from actors.kv import PageAllocation, ReceivedKV
-from actors.worker._kvbridge import MockTransfer, _pack_prefix_hash
+from actors.serving.engines import KvPages, MockEngine, TimingModel
+from actors.serving.kv import PageAllocation, ReceivedKV
+from actors.serving.worker import replay_kv_events
+from actors.serving.worker._kvbridge import MockTransfer, _pack_prefix_hash
 from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, StopConditions
 from protocols.errors import KVCorrupted
+from protocols.kv_events import BlockStored
 from tests.engines._mock_helpers import collect, config, eventually, request, run, tokens_of
 
 PROMPTS = [list(range(500 + i, 540 + i)) for i in range(3)]  # 2 full pages of 16 and a partial

@@ -7,15 +7,11 @@ import anyio
 import numpy as np
 import pytest
 
-from actors.engines import (
-    MockEngine,
-    MockEngineBusy,
-    page_checksum,
-    prompt_page_hashes,
-)
-from actors.engines._mock._kvmem import KvPageMemory
+from actors.serving.engines import MockEngine, MockEngineBusy, page_checksum
+from actors.serving.engines._mock._kvmem import KvPageMemory
 from protocols.engine import BootstrapInfo, MemoryTag, PauseMode
 from protocols.errors import KVCorrupted, KVTransferError
+from protocols.pages import prompt_page_hashes
 from tests.engines._mock_helpers import (
     DEVICE,
     collect,

@@ -12,20 +12,18 @@ import pytest
 import zmq
 
 from actors._zmq import AsyncSocket
-from actors.engines import (
+from actors.serving.engines import MockEngine
+from actors.serving.worker import KvEventSubscriber, KvMetricsSubscriber, replay_kv_events
+from protocols.engine import MemoryTag, PauseMode
+from protocols.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KvEventSubscriber,
     KvMetrics,
-    KvMetricsSubscriber,
-    MockEngine,
     decode_kv_event_batch,
-    page_hash,
-    replay_kv_events,
 )
-from protocols.engine import MemoryTag, PauseMode
+from protocols.pages import page_hash
 from tests.engines._mock_helpers import FAST, config, eventually, request, run
 
 T = TypeVar("T")

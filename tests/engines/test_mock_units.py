@@ -8,28 +8,29 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.engines import (
+from actors.serving.engines import (
+    MockEngineConfig,
+    TimingModel,
+    offset_endpoint,
+    page_checksum,
+    page_content,
+)
+from actors.serving.engines._mock._pages import expected_kv
+from actors.serving.engines._mock._pool import BlockPool
+from actors.serving.engines._mock._request import MockRequest
+from actors.serving.engines._mock._tokens import TokenModel
+from protocols.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     KvMetrics,
-    MockEngineConfig,
-    TimingModel,
     decode_kv_event_batch,
     decode_kv_metrics,
     encode_kv_event_batch,
     encode_kv_metrics,
-    offset_endpoint,
-    page_checksum,
-    page_content,
-    page_hash,
-    prompt_page_hashes,
 )
-from actors.engines._mock._pages import expected_kv
-from actors.engines._mock._pool import BlockPool
-from actors.engines._mock._request import MockRequest
-from actors.engines._mock._tokens import TokenModel
+from protocols.pages import page_hash, prompt_page_hashes
 from tests.engines._mock_helpers import request
 
 

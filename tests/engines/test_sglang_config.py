@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from actors.engines._sglang import SGLangEngine
-from actors.engines._sglang_config import (
+from actors.serving.engines._sglang import SGLangEngine
+from actors.serving.engines._sglang._config import (
     force_server_args,
     kv_events_config,
     kv_events_endpoints,

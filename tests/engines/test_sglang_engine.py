@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.engines._sglang import SGLangEngine, SGLangRequiresAsyncio
-from actors.engines._sglang_signals import DeferredSignalHandlers
+from actors.serving.engines._sglang import SGLangEngine, SGLangRequiresAsyncio
+from actors.serving.engines._sglang._signals import DeferredSignalHandlers
 from protocols.engine import (
     BootstrapInfo,
     EngineOutput,

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from actors._zmq import context as zmq_context
-from actors.engines._sglang_metrics import (
+from actors.serving.engines._sglang._metrics import (
     KV_METRICS_FIELDS,
     SGLangMetricsReader,
     decode_kv_metrics,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.engines import _sglang_record as record_mod
-from actors.engines._sglang_metrics import (
+from actors.serving.engines._sglang import _record as record_mod
+from actors.serving.engines._sglang._metrics import (
     KV_METRICS_FIELDS,
 )
 from tests.engines._sglang_fakes import (
@@ -336,11 +336,12 @@ def test_record_is_reproducible_from_a_source_tree(source_tree: Path) -> None:
 
 
 def test_record_from_an_importable_sglang_matches_the_source_reading(source_tree: Path) -> None:
-    """``python -m actors.engines._sglang_record`` (inspect) on the synthetic tree, imported."""
+    """``python -m actors.serving.engines._sglang._record`` (inspect) on the synthetic tree,
+    imported."""
     out = source_tree / "inspected.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source_tree / "python"), *sys.path])}
     done = subprocess.run(
-        [sys.executable, "-m", "actors.engines._sglang_record", "--output", str(out)],
+        [sys.executable, "-m", "actors.serving.engines._sglang._record", "--output", str(out)],
         capture_output=True,
         text=True,
         check=False,
@@ -367,8 +368,8 @@ def test_importing_the_backend_does_not_import_sglang() -> None:
         "        if name == 'sglang' or name.startswith('sglang.'):\n"
         "            raise ImportError('sglang imported')\n"
         "sys.meta_path.insert(0, NoSGLang())\n"
-        "from actors.engines._sglang import SGLangEngine\n"
-        "import actors.engines._sglang_metrics, actors.engines._sglang_record\n"
+        "from actors.serving.engines._sglang import SGLangEngine\n"
+        "import actors.serving.engines._sglang._metrics, actors.serving.engines._sglang._record\n"
         "SGLangEngine({'model_path': 'm'}, role='prefill')\n"
         "assert not any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules)\n"
     )

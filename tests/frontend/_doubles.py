@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Mapping
 import anyio
 from prometheus_client import CollectorRegistry, Counter
 
-from actors.frontend import ByteTokenizer, EndpointStatus, ModelInfo, Tokenizer
+from actors.serving.frontend import ByteTokenizer, EndpointStatus, ModelInfo, Tokenizer
 from protocols.engine import EngineOutput, FinishReason, PreprocessedRequest, Usage
 
 MODEL = "mock-model"

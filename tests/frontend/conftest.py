@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from actors.frontend import create_app, serve
+from actors.serving.frontend import create_app, serve
 from tests.frontend._doubles import FakeBackend
 
 

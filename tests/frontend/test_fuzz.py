@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from actors.frontend import create_app
+from actors.serving.frontend import create_app
 from tests.frontend._doubles import MODEL, FakeBackend
 from tests.frontend.conftest import served
 

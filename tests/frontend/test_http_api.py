@@ -12,8 +12,8 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from actors.frontend import ByteTokenizer, HFTokenizer, create_app
-from actors.frontend._streams import aclose_quietly
+from actors.serving.frontend import ByteTokenizer, HFTokenizer, create_app
+from actors.serving.frontend._streams import aclose_quietly
 from protocols.engine import EngineOutput, PreprocessedRequest
 from protocols.errors import NoWorkerAvailable
 from tests.frontend._doubles import ANSWER, CONTEXT, MODEL, FakeBackend

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from actors.frontend import create_app
+from actors.serving.frontend import create_app
 from protocols.errors import EngineFailure, NoWorkerAvailable, Overloaded, WorkerDraining
 from tests.frontend._doubles import CONTEXT, MODEL, FakeBackend
 from tests.frontend._http import (

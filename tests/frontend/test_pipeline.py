@@ -11,10 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from actors.frontend import ByteTokenizer
-from actors.frontend._chunks import ChatRenderer, CompletionRenderer, _ChatChunkChoice, _ChatDelta
-from actors.frontend._metrics import LoopHistogram
-from actors.frontend._pipeline import Choice, StopMatcher
+from actors.serving.frontend import ByteTokenizer
+from actors.serving.frontend._chunks import (
+    ChatRenderer,
+    CompletionRenderer,
+    _ChatChunkChoice,
+    _ChatDelta,
+)
+from actors.serving.frontend._metrics import LoopHistogram
+from actors.serving.frontend._pipeline import Choice, StopMatcher
 from protocols.engine import EngineOutput, Usage
 from protocols.errors import EngineFailure, RequestCancelled
 

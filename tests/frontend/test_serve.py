@@ -9,7 +9,7 @@ from anyio.abc import TaskStatus
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from actors.frontend import create_app, serve
+from actors.serving.frontend import create_app, serve
 from tests.frontend._doubles import ANSWER, FakeBackend
 from tests.frontend._http import CHAT, chat_body, chunks, open_raw_stream, read_until
 

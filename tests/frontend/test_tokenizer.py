@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.frontend import ByteTokenizer, Detokenizer, HFTokenizer, Tokenizer
+from actors.serving.frontend import ByteTokenizer, Detokenizer, HFTokenizer, Tokenizer
 from protocols.errors import InvalidRequest
 from tests.frontend._hf import build_tokenizer_folder
 

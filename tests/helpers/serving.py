@@ -12,11 +12,11 @@ import attrs
 
 from actors import ActorRef, current_registry
 from actors.serving import ServeConfig, Serving
-from actors.worker import engine_name
+from actors.serving.root._lifecycle import Budgets
+from actors.serving.root._root import RootOptions, serving_children
+from actors.serving.worker import engine_name
 from protocols import control
 from supervisors import SupervisorFlags, SupervisorRef, open_supervisor
-from supervisors._lifecycle import Budgets
-from supervisors._root import RootOptions, serving_children
 
 FAST_ENGINE: dict[str, Any] = {
     "timing": {"speedup": 20.0},

@@ -8,8 +8,8 @@ from typing import Any
 
 import anyio
 
-from actors.kv import DecodeKV, KVConfig, KVPool, NixlAgent, PrefillKV
-from actors.kv._peer import Outcome, PeerProcess, Receive, Stats
+from actors.serving.kv import DecodeKV, KVConfig, KVPool, NixlAgent, PrefillKV
+from actors.serving.kv._peer import Outcome, PeerProcess, Receive, Stats
 from protocols.errors import KVTransferError
 
 PAGE_BYTES = 4096
@@ -91,7 +91,7 @@ async def receive_in_child(
 ) -> None:
     """Have a decode peer receive ``room`` of prefill ``endpoint`` into ``n`` fresh pages (bytes
     checked against the pattern of ``seed``); its outcome goes to ``out``."""
-    from actors.kv import bootstrap_info
+    from actors.serving.kv import bootstrap_info
 
     out.append(
         await proc.call(Receive(bootstrap=bootstrap_info(endpoint, room), num_pages=n, seed=seed))

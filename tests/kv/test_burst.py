@@ -7,8 +7,8 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from actors.kv import RoomState, post_together
-from actors.kv._peer import Connect, Outcome, fill_pattern
+from actors.serving.kv import RoomState, post_together
+from actors.serving.kv._peer import Connect, Outcome, fill_pattern
 from protocols.errors import KVTransferError
 from tests.kv.helpers import assert_peer_clean, local_prefill, peer, receive_in_child
 

@@ -10,10 +10,10 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from actors.kv import RoomState, TransferAborted, new_room
-from actors.kv._bootstrap import pack_pages
-from actors.kv._nixl import SPLIT_BATCH
-from actors.kv._peer import (
+from actors.serving.kv import RoomState, TransferAborted, new_room
+from actors.serving.kv._bootstrap import pack_pages
+from actors.serving.kv._nixl import SPLIT_BATCH
+from actors.serving.kv._peer import (
     Connect,
     Outcome,
     PeerProcess,

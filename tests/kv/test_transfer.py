@@ -11,9 +11,9 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 
-from actors.kv import KVConfig, RoomState, checksums_of, new_room
-from actors.kv._bootstrap import pack_pages
-from actors.kv._peer import (
+from actors.serving.kv import KVConfig, RoomState, checksums_of, new_room
+from actors.serving.kv._bootstrap import pack_pages
+from actors.serving.kv._peer import (
     Connect,
     Outcome,
     Prefill,

@@ -13,7 +13,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from actors.kv import (
+from actors.serving.kv import (
     Descriptors,
     KVConfig,
     KVPool,
@@ -26,11 +26,11 @@ from actors.kv import (
     coalesce,
     page_checksums,
 )
-from actors.kv._alloc import runs
-from actors.kv._bootstrap import THREADS_ENV
-from actors.kv._nixl import SPLIT_BATCH, XferHandle, XferState
-from actors.kv._peer import pattern_pages
-from actors.kv._transfer import split, split_pieces, write_pages, yield_cpu
+from actors.serving.kv._alloc import runs
+from actors.serving.kv._bootstrap import THREADS_ENV
+from actors.serving.kv._nixl import SPLIT_BATCH, XferHandle, XferState
+from actors.serving.kv._peer import pattern_pages
+from actors.serving.kv._transfer import split, split_pieces, write_pages, yield_cpu
 from protocols.kv import (
     Hello,
     KVMemoryDesc,
@@ -329,7 +329,7 @@ def test_checksums_agree_across_numpy_and_torch_and_catch_flips_and_swaps() -> N
     pages = pattern_pages(seed=9, count=6, page_bytes=256)
     want = checksums_of(pages)
     assert np.array_equal(want, checksums_of(torch.from_numpy(pages.copy())))
-    from actors.kv._checksum import _torch_checksums
+    from actors.serving.kv._checksum import _torch_checksums
 
     assert np.array_equal(want, _torch_checksums(torch.from_numpy(pages.copy())))
     flipped = pages.copy()
@@ -388,7 +388,7 @@ def test_agent_replaces_a_stale_remote_agent_of_the_same_name_and_releases_all()
 
 def test_a_tensor_held_pool_takes_the_gpu_code_paths_and_agrees() -> None:
     # The GPU pool's code (views, gathers, checksums through torch) run on a CPU tensor.
-    from actors.kv._peer import fill_pattern, read_pages
+    from actors.serving.kv._peer import fill_pattern, read_pages
 
     tensor = torch.zeros(16 * 256, dtype=torch.uint8)
     pool = KVPool(

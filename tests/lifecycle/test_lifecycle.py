@@ -18,12 +18,18 @@ import pytest
 from typer.testing import CliRunner
 
 from actors._net import free_port
+from actors.serving.cli import app
+from actors.serving.root._control_api import control_app
+from actors.serving.root._lifecycle import (
+    DrainWorker,
+    LifecycleError,
+    Release,
+    Resume,
+    WorkerStates,
+)
+from actors.serving.root._root import wait_healthy
 from protocols import control
 from protocols.engine import MemoryTag
-from supervisors._cli import app
-from supervisors._control_api import control_app
-from supervisors._lifecycle import DrainWorker, LifecycleError, Release, Resume, WorkerStates
-from supervisors._root import wait_healthy
 from tests.helpers.serving import serving_tree
 from tests.serving.test_e2e import _stream_text
 
@@ -189,7 +195,7 @@ def _start_root(port: int, *extra: str) -> subprocess.Popen[str]:
     args = [
         sys.executable,
         "-m",
-        "supervisors._cli_main",
+        "actors.serving",
         "run",
         "--backend",
         "mock",

@@ -14,10 +14,16 @@ import anyio
 import httpx
 import pytest
 
+from actors.serving.root._lifecycle import (
+    DrainWorker,
+    LifecycleError,
+    Release,
+    Resume,
+    WorkerStates,
+)
 from actors.telemetry import REGISTRY
 from protocols import control
 from protocols.engine import MemoryTag
-from supervisors._lifecycle import DrainWorker, LifecycleError, Release, Resume, WorkerStates
 from tests.helpers.serving import Tree, serving_tree
 from tests.serving.test_disaggregated import DISAGG, _quiet
 from tests.serving.test_e2e import _stream_text

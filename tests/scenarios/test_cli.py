@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from supervisors._cli import app
+from actors.serving.cli import app
 
 
 def test_list_shows_the_library() -> None:

@@ -25,13 +25,13 @@ import torch
 from typer.testing import CliRunner
 
 from actors import current_registry
-from actors.engines._hf import HFEngine, HFEngineConfig, find_smollm2
-from actors.engines._hf._model import load_model
-from actors.frontend import HFTokenizer
+from actors.serving.cli import app
+from actors.serving.engines._hf import HFEngine, HFEngineConfig, find_smollm2
+from actors.serving.engines._hf._model import load_model
+from actors.serving.frontend import HFTokenizer
 from actors.telemetry import REGISTRY
 from protocols.engine import PreprocessedRequest, SamplingOptions, StopConditions
 from supervisors import SupervisorRef
-from supervisors._cli import app
 from tests.helpers.serving import Tree, serving_tree
 
 MAX_TOKENS = 10

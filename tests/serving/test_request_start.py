@@ -1,8 +1,8 @@
 """A request's start: its request stream is started with the request in its mailbox and routes
 from the routing view itself. A consumer that gives up before the stream took the request still
-ends it (its :class:`~actors.serving._attempt.Ticket`), and the in-flight counts the router keeps
-come back to zero however requests end. Disaggregated, the client's first token is the prefill's
-(before any KV reached decode), and goes with the request when it migrates."""
+ends it (its :class:`~actors.serving.requests._attempt.Ticket`), and the in-flight counts the router
+keeps come back to zero however requests end. Disaggregated, the client's first token is the
+prefill's (before any KV reached decode), and goes with the request when it migrates."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from actors import ReplyError, current_registry
-from actors.frontend import ModelInfo
 from actors.serving import ModelService
-from actors.serving._attempt import Begin, Ticket
+from actors.serving.frontend import ModelInfo
+from actors.serving.requests._attempt import Begin, Ticket
 from protocols import PreprocessedRequest, SamplingOptions, StopConditions
 from supervisors import SupervisorRef
 from tests.helpers.serving import Tree, serving_tree

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 
 from actors import ActorCrashed, current_registry
-from actors.engines import MockEngineConfig, TimingModel
 from actors.process import ProcessOptions
 from actors.serving import RoutingTable
-from actors.worker import HealthOptions, engine_name, worker_spec
+from actors.serving.engines import MockEngineConfig, TimingModel
+from actors.serving.worker import HealthOptions, engine_name, worker_spec
 from protocols import PreprocessedRequest, StopConditions, control
 from protocols.engine import MemoryTag, PauseMode
 from supervisors import SupervisorFlags, SupervisorRef, open_supervisor

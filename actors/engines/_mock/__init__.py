@@ -1,1 +1,0 @@
-"""The mock engine's implementation (private; the public names live in ``actors.engines``)."""

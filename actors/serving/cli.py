@@ -1,0 +1,244 @@
+"""The ``actorserve`` command: ``run`` a root process, print a running root's ``tree``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+import structlog
+import typer
+from rich.console import Console
+
+from actors.lowlevel import default_loop, run_on
+from actors.serving.root import (
+    Budgets,
+    RootOptions,
+    default_control_path,
+    load_token,
+    request_tree,
+    run_root,
+)
+from supervisors import SupervisorRef, render_tree, snapshot_tree
+
+app = typer.Typer(
+    help="Serve LLMs with SGLang engines as actors under supervision trees.", no_args_is_help=True
+)
+console = Console(stderr=True)
+# Sub-commands from other packages (``actorserve scenario`` comes from ``scenarios``) plug in
+# through this entry-point group, so the serving application imports nothing above itself.
+for _command in entry_points(group="actorserve.commands"):
+    app.add_typer(_command.load(), name=_command.name)
+
+
+@app.callback()
+def _root() -> None:
+    """actorserve: run, tree."""
+
+
+class _Stderr:
+    """Whatever ``sys.stderr`` is when a line is written (a test runner may swap it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def configure_logging(level: str) -> None:
+    """structlog at ``level``, to standard error."""
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
+        # No cache_logger_on_first_use: a cached module logger ignores any later configure()
+        # (capture_logs in tests, an embedding app's own setup) for the rest of the process.
+    )
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Option(help="TOML or YAML config file.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Served model name (default: the backend's model).")
+    ] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(help="Engine backend: hf (default: SmolLM2-135M on CPU), mock or sglang."),
+    ] = None,
+    mode: Annotated[str | None, typer.Option(help="disaggregated (default) or aggregated.")] = None,
+    prefill_workers: Annotated[
+        int | None, typer.Option(help="Prefill workers (disaggregated).")
+    ] = None,
+    decode_workers: Annotated[
+        int | None, typer.Option(help="Decode (or aggregated) workers.")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="HTTP host (loopback by default).")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port.")] = None,
+    router: Annotated[
+        str | None, typer.Option(help="round_robin, least_loaded or kv_aware.")
+    ] = None,
+    migration_limit: Annotated[int | None, typer.Option(help="Re-dispatches per request.")] = None,
+    engine_arg: Annotated[
+        list[str] | None,
+        typer.Option(help="KEY=VALUE passed to the engine untouched (repeatable)."),
+    ] = None,
+    loop: Annotated[
+        str | None,
+        typer.Option(
+            help="Event loop of the root: uvloop (the default where installed), asyncio or trio."
+        ),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
+    control: Annotated[str, typer.Option(help="Path of the local control socket.")] = "",
+    control_api_port: Annotated[
+        int | None, typer.Option(help="Serve the control API on this loopback port.")
+    ] = None,
+    control_token_file: Annotated[
+        str | None,
+        typer.Option(help="File holding the control API token (else $ACTORSERVE_CONTROL_TOKEN)."),
+    ] = None,
+    grace_period: Annotated[
+        float, typer.Option(help="Shutdown: seconds still serving after unregistering.")
+    ] = 2.0,
+    drain_budget: Annotated[
+        float, typer.Option(help="Shutdown: seconds for in-flight requests.")
+    ] = 30.0,
+) -> None:
+    """Start the root process: workers, router, request streams and the OpenAI-compatible API."""
+    from actors.serving.root import Serving, load_config
+
+    configure_logging(log_level)
+    overrides: dict[str, Any] = {
+        "model": model,
+        "backend": backend,
+        "mode": mode,
+        "prefill_workers": prefill_workers,
+        "decode_workers": decode_workers,
+        "host": host,
+        "port": port,
+        "router": router,
+        "migration_limit": migration_limit,
+    }
+    try:
+        loop = resolve_loop(loop)
+    except ValueError as exc:
+        console.print(f"[red]bad --loop:[/red] {exc}")
+        raise typer.Exit(2) from None
+    try:
+        cfg = load_config(config, overrides)
+        if engine_arg:
+            cfg = _with_engine_args(cfg, engine_arg)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]bad configuration:[/red] {exc}")
+        raise typer.Exit(2) from None
+    try:
+        serving = Serving(cfg)
+    except ImportError as exc:
+        console.print(
+            f"[red]the {cfg.backend} backend is not installed:[/red] {exc}; install it with: "
+            f"pip install 'actorserve[{cfg.backend}]'"
+        )
+        raise typer.Exit(2) from None
+    except LookupError as exc:
+        # The exception came from actors.serving.engines._hf, so importing it here costs nothing.
+        from actors.serving.engines import ModelPackageMissing
+
+        if not isinstance(exc, ModelPackageMissing):
+            raise
+        console.print(f"[red]the model is not installed:[/red] {exc}")
+        raise typer.Exit(2) from None
+    token, token_file = (
+        load_token(control_token_file) if control_api_port is not None else ("", None)
+    )
+    options = RootOptions(
+        budgets=Budgets(grace=grace_period, drain=drain_budget),
+        control_socket=control or default_control_path(),
+        control_api_port=control_api_port,
+        control_token=token,
+    )
+
+    async def main() -> None:
+        status = console.status(
+            f"starting {len(serving.roles)} {cfg.backend} workers ({cfg.mode})..."
+        )
+        status.start()
+
+        async def ready(root: SupervisorRef) -> None:
+            status.stop()
+            console.print(render_tree(await snapshot_tree(root)))
+            console.print(
+                f"[bold green]ready[/bold green]: http://{cfg.host}:{serving.port}/v1 "
+                f"(model {cfg.model!r}); Ctrl-C or SIGTERM stops gracefully, twice exits at once"
+            )
+            if token_file:
+                console.print(f"control API token written to {token_file}")
+
+        try:
+            await run_root(serving, options, on_ready=ready)
+        finally:
+            status.stop()
+        console.print("stopped cleanly")
+
+    run_on(loop, main)
+
+
+def resolve_loop(loop: str | None) -> str:
+    """The root's event loop for ``--loop``: ``uvloop`` (asyncio on uvloop's loop), ``asyncio``
+    or ``trio``; ``None`` is uvloop where installed, else asyncio.
+
+    uvloop by default: much of the root's cost per request and per streamed chunk is the event
+    loop's own (its turns, callbacks and socket writes), and uvloop's cost less.
+    """
+    if loop is None:
+        return default_loop()
+    if loop == "uvloop" and default_loop() != "uvloop":
+        raise ValueError("uvloop is not installed: pip install 'actorserve[uvloop]'")
+    if loop not in ("uvloop", "asyncio", "trio"):
+        raise ValueError(f"{loop!r}: expected uvloop, asyncio or trio")
+    return loop
+
+
+def _with_engine_args(cfg: Any, pairs: list[str]) -> Any:
+    import json
+
+    import attrs
+
+    args = dict(cfg.engine_args)
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg {pair!r}: expected KEY=VALUE")
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value
+    return attrs.evolve(cfg, engine_args=args)
+
+
+@app.command()
+def tree(
+    control: Annotated[str, typer.Option(help="Path of the root's control socket.")] = "",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Print the live supervision tree of a running root."""
+    import json
+
+    import attrs
+
+    try:
+        node = anyio.run(request_tree, control or default_control_path())
+    except (TimeoutError, RuntimeError) as exc:
+        console.print(f"[red]no running root answered:[/red] {exc}")
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(attrs.asdict(node)))
+    else:
+        Console().print(render_tree(node))
+
+
+def main() -> None:
+    app()

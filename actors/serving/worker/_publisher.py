@@ -1,0 +1,129 @@
+"""The publisher actor: the engine's load metrics and KV events, to Prometheus and the router.
+
+It subscribes to the engine's ZMQ sockets (one KV-event subscription per data-parallel rank,
+recovering gaps through the replay socket) and hands what it reads to a :class:`WorkerSink`
+(the routing table). Under the worker's one_for_all supervisor it restarts with the engine and
+then subscribes to the new engine's endpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from prometheus_client import Gauge
+
+from actors import Actor, ActorRef, current_registry
+from actors.serving.worker._subscribe import KvEventSubscriber, KvMetricsSubscriber
+from actors.telemetry import REGISTRY
+from protocols import control
+from protocols.engine import Capacity
+
+__all__ = ["Publisher", "WorkerSink"]
+
+_labels = ["worker", "dp_rank"]
+TOTAL_BLOCKS = Gauge(
+    "actorserve_worker_total_blocks", "KV blocks of the engine.", _labels, registry=REGISTRY
+)
+CACHE_USAGE = Gauge(
+    "actorserve_worker_gpu_cache_usage_percent",
+    "Fraction of KV blocks in use (0-1).",
+    _labels,
+    registry=REGISTRY,
+)
+ACTIVE = Gauge("actorserve_worker_active_requests", "Requests running.", _labels, registry=REGISTRY)
+WAITING = Gauge(
+    "actorserve_worker_waiting_requests", "Requests queued.", _labels, registry=REGISTRY
+)
+HIT_RATE = Gauge(
+    "actorserve_worker_prefix_cache_hit_rate",
+    "Prefix cache hit rate (0-1).",
+    _labels,
+    registry=REGISTRY,
+)
+KV_EVENTS = Gauge(
+    "actorserve_worker_kv_event_batches", "KV event batches received.", _labels, registry=REGISTRY
+)
+
+
+class WorkerSink(Protocol):
+    """Where a publisher hands what it reads (the router's view of the worker)."""
+
+    def load(self, worker_id: str, dp_rank: int, metrics: Any) -> None: ...
+
+    def kv_events(self, worker_id: str, dp_rank: int, batch: Any) -> None: ...
+
+
+class Publisher(Actor):
+    def __init__(self, worker_id: str, engine_name: str, sink: WorkerSink | None = None) -> None:
+        self.worker_id = worker_id
+        self.engine_name = engine_name
+        self.sink = sink
+        self.batches = 0
+        self._subscribers: list[KvEventSubscriber | KvMetricsSubscriber] = []
+
+    async def started(self) -> None:
+        engine: ActorRef[Any] | None = current_registry().whereis(self.engine_name)
+        if engine is None:
+            raise LookupError(f"no engine registered as {self.engine_name!r}")
+        capacity: Capacity = await engine.ask(control.GetCapacity())
+        for rank in range(capacity.dp_size):
+            # Dynamo publishes zeros first so the gauges exist before the first scheduler tick.
+            TOTAL_BLOCKS.labels(self.worker_id, str(rank)).set(capacity.total_kv_blocks)
+            CACHE_USAGE.labels(self.worker_id, str(rank)).set(0)
+        replays = capacity.kv_events_replay_endpoints
+        for rank, endpoint in enumerate(capacity.kv_events_endpoints):
+            replay = replays[rank] if rank < len(replays) else None
+            self.start_soon(
+                self._events, rank, endpoint, replay, name=f"{self.worker_id} kv events {rank}"
+            )
+        if capacity.metrics_endpoint is not None:
+            self.start_soon(
+                self._metrics, capacity.metrics_endpoint, name=f"{self.worker_id} metrics"
+            )
+
+    async def _events(self, rank: int, endpoint: str, replay: str | None) -> None:
+        subscriber = KvEventSubscriber(endpoint, replay, start_seq=0)
+        self._subscribers.append(subscriber)
+        async with subscriber:
+            while True:
+                for _seq, batch in await subscriber.receive():
+                    self.batches += 1
+                    KV_EVENTS.labels(self.worker_id, str(rank)).inc()
+                    if self.sink is not None:
+                        self.sink.kv_events(self.worker_id, rank, batch)
+
+    async def _metrics(self, endpoint: str) -> None:
+        subscriber = KvMetricsSubscriber(endpoint)
+        self._subscribers.append(subscriber)
+        # Each rank's gauges, resolved once: labels() per message cost more than the updates.
+        gauges: dict[int, tuple[Any, ...]] = {}
+        async with subscriber:
+            while True:
+                metrics = await subscriber.receive()
+                rank = metrics.data_parallel_rank or 0
+                series = gauges.get(rank)
+                if series is None:
+                    labels = (self.worker_id, str(rank))
+                    series = gauges[rank] = tuple(
+                        g.labels(*labels)
+                        for g in (TOTAL_BLOCKS, CACHE_USAGE, ACTIVE, WAITING, HIT_RATE)
+                    )
+                total, usage, active, waiting, hit_rate = series
+                total.set(metrics.kv_total_blocks)
+                usage.set(metrics.gpu_cache_usage_perc)
+                active.set(metrics.request_active_slots)
+                waiting.set(metrics.num_requests_waiting)
+                hit_rate.set(metrics.gpu_prefix_cache_hit_rate)
+                if self.sink is not None:
+                    self.sink.load(self.worker_id, rank, metrics)
+
+    async def receive(self, message: Any) -> Any:
+        if message == "batches":
+            return self.batches
+        if message == "drop_sockets":
+            # Fault injection (scenarios): the subscriptions drop under the reading tasks, which
+            # fail, so this actor crashes and its restart subscribes afresh.
+            for subscriber in self._subscribers:
+                subscriber.drop()
+            return None
+        return await super().receive(message)
