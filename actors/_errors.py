@@ -1,4 +1,30 @@
-"""The actor runtime's typed errors (a small hierarchy, as httpx's)."""
+"""The actor runtime's typed errors: one root, :class:`ActorError`, for what it raises at a caller.
+
+The hierarchy (a class subclasses the nearest less indented one above it); ``actors`` exports
+every class but :class:`LinkBroken` and :class:`ProcessDied`, which ``actors.process`` does::
+
+    ActorError ....................... what the runtime raises at a caller
+        ActorNotRunning .............. never started, stopped, or dead and not restarting
+            ActorRestarting .......... waiting for its supervisor to restart it
+        ActorCrashed ................. died while the call was pending or handled
+        AskTimeout ................... no reply in time; a TimeoutError too
+        MailboxFull .................. ``tell_nowait`` found no room
+        StreamCancelled .............. the consumer closed a reply stream
+        UnhandledMessage ............. no handler for a message (crashes the actor)
+        NameTaken .................... the name is another actor's; a KeyError too
+        LinkBroken ................... its link to a process actor broke; a ConnectionError too
+        ProcessDied .................. a process actor's OS process ended
+
+Not errors of the runtime but the protocol between a handler and its caller, a branch of its own
+(an ``except ActorError`` must not catch them)::
+
+    ReplyError ....................... a handler's answer: the caller gets it, the actor goes on
+    Ignore ........................... ``started()`` asks to start as OTP's ``ignore``
+
+An exit signal, carried as the ``error`` of an exit reason and never raised at a caller::
+
+    LinkedExit ....................... a linked actor exited
+"""
 
 from __future__ import annotations
 

@@ -14,12 +14,15 @@ from typing import Any
 from actors._backends import Backend, Parking
 from actors._errors import MailboxFull
 
-__all__ = ["ASK", "ASK_ABORTABLE", "STREAM", "TELL", "Mailbox"]
+__all__ = ["ASK", "ASK_ABORTABLE", "INJECTED", "STREAM", "TELL", "Mailbox"]
 
 TELL = 0
 ASK = 1
 STREAM = 2
 ASK_ABORTABLE = 3  # an ask from another process: its caller may cancel the running handler
+# A fault a test injects (actors.testing): an async callable the serve loop awaits in place of a
+# handler, so it crashes or blocks the actor as a handler would, with no help from the actor.
+INJECTED = 4
 
 Item = tuple[int, Any, Any]
 

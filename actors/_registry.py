@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
+from actors._errors import ActorError
 from actors._ref import ActorRef
 
 __all__ = ["NameTaken", "Registry", "current_registry"]
 
 
-class NameTaken(KeyError):
-    """The name is registered to another actor."""
+class NameTaken(ActorError, KeyError):
+    """The name is registered to another actor (also a ``KeyError``: a key already in use)."""
 
 
 class Registry:

@@ -19,7 +19,7 @@ from actors._actor import Actor, Exit, LinkedExit, deliver_notice
 from actors._backends import Backend, Reply, backend
 from actors._errors import ActorCrashed, ReplyError, StreamCancelled
 from actors._exit import ExitReason
-from actors._mailbox import ASK, ASK_ABORTABLE, STREAM, TELL, Mailbox
+from actors._mailbox import ASK, ASK_ABORTABLE, INJECTED, STREAM, TELL, Mailbox
 from actors._ref import ActorRef, Cell, CellState, crash_error
 from actors._stream import StreamChannel
 
@@ -264,7 +264,7 @@ class Incarnation:
                 continue
             # Asks from another process run in this scope, shared by every message of a round:
             # aborting one cancels the scope and ends the round, so an ask pays for no scope of
-            # its own (one costs 5-15 us here, a tenth of a remote round trip).
+            # its own (one costs a tenth of a remote round trip).
             with anyio.CancelScope() as scope:
                 await self._serve_round(streams, scope)
         return self.stop_reason
@@ -334,6 +334,9 @@ class Incarnation:
                 # than two); _wait_pumps gives them the graceful exit a group of their own would.
                 self._pumps += 1
                 streams.start_soon(self._pump, message, extra)
+            elif kind == INJECTED:
+                # Tested last, so the kinds of real messages never pay for it.
+                await message()
             budget -= 1
             if not budget:
                 budget = _FAIRNESS

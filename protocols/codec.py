@@ -13,6 +13,13 @@ A batch (:func:`encode_many`, a stream's items) is ``[tag, [payload, ...]]`` whe
 the same tag, so the whole batch is one msgspec call each way; a mixed batch is ``["*", [message,
 ...]]``. Token ids stay msgpack integers: in a batch that is 1-3 bytes per id below 65536, more
 compact than packed int32, and it decodes as fast as unpacking packed bytes into a list.
+
+The codec's own errors, under one root (the request errors, which cross as their family's codes,
+have their own tree in :mod:`protocols.errors`)::
+
+    ProtocolError ..................... a message or an error did not cross as itself
+        CodecError .................... it could not be encoded or decoded; a ValueError too
+        RemoteError ................... an error of the other side whose type is not registered
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import msgspec
 
 __all__ = [
     "CodecError",
+    "ProtocolError",
     "RemoteError",
     "decode",
     "decode_error",
@@ -63,11 +71,15 @@ _FromWire = Callable[[str, str], BaseException]
 _families: dict[str, tuple[type[BaseException], _ToWire, _FromWire]] = {}  # by family name
 
 
-class CodecError(ValueError):
+class ProtocolError(Exception):
+    """Base of the codec's errors: a message or an error that did not cross the wire as itself."""
+
+
+class CodecError(ProtocolError, ValueError):
     """A message could not be encoded or decoded (unregistered type, malformed bytes)."""
 
 
-class RemoteError(Exception):
+class RemoteError(ProtocolError):
     """An error from the other side whose type is not registered here."""
 
     def __init__(self, type_name: str, message: str) -> None:

@@ -10,7 +10,7 @@ These are ``msgspec`` structs: they sit on the hot path and cross process bounda
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -22,9 +22,12 @@ __all__ = [
     "Capacity",
     "Engine",
     "EngineOutput",
+    "EngineRole",
+    "EngineStatistics",
     "FinishReason",
     "HealthPayload",
     "MemoryTag",
+    "OutputStream",
     "PauseMode",
     "PreprocessedRequest",
     "RoutingHints",
@@ -54,6 +57,9 @@ class MemoryTag(enum.Enum):
 DEFAULT_RELEASE_TAGS: frozenset[MemoryTag] = frozenset({MemoryTag.KV_CACHE, MemoryTag.WEIGHTS})
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+EngineRole = Literal["aggregated", "prefill", "decode"]
+"""An engine's part in serving: the whole request, or one half of a disaggregated pair."""
 
 
 class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -191,6 +197,47 @@ def normalize_finish_reason(raw: str | None) -> tuple[FinishReason | None, str |
     return "stop", None
 
 
+class OutputStream(Protocol):
+    """What ``Engine.generate`` returns: the request's outputs, and ``aclose`` to stop reading
+    early, which aborts the request (an async generator is one)."""
+
+    def __aiter__(self) -> AsyncIterator[EngineOutput]: ...
+
+    def __anext__(self) -> Awaitable[EngineOutput]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
+
+
+class EngineStatistics(Protocol):
+    """What every engine's ``statistics()`` snapshot tells its host; an engine's own snapshot
+    type adds its details. A count the engine does not keep is -1."""
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine still owes an ending."""
+        ...
+
+    @property
+    def used_blocks(self) -> int:
+        """KV blocks held by requests (not by the prefix cache)."""
+        ...
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens the engine computed by prefill."""
+        ...
+
+    @property
+    def kv_received_tokens(self) -> int:
+        """Tokens whose KV arrived by transfer instead of prefill."""
+        ...
+
+    @property
+    def released(self) -> frozenset[MemoryTag]:
+        """Memory ``release_memory`` released and ``resume_memory`` has not brought back."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """The contract every backend (mock, sglang, hf) implements.
@@ -200,10 +247,15 @@ class Engine(Protocol):
     the event loop: backends run them in a worker thread.
     """
 
+    @property
+    def role(self) -> EngineRole:
+        """Aggregated, or the prefill or decode half of a disaggregated pair."""
+        ...
+
     async def start(self) -> Capacity: ...
 
-    def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
-        """Stream the outputs of ``request``. Closing the iterator early aborts the request."""
+    def generate(self, request: PreprocessedRequest) -> OutputStream:
+        """Stream the outputs of ``request``. Closing the stream early aborts the request."""
         ...
 
     async def abort(self, rid: str) -> None:
@@ -224,7 +276,15 @@ class Engine(Protocol):
         """True when no request is running or owed (prefill: no KV transfer outstanding)."""
         ...
 
+    async def wait_quiescent(self) -> None:
+        """Return once :meth:`is_quiescent`."""
+        ...
+
     def health_payload(self) -> PreprocessedRequest: ...
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's state."""
+        ...
 
     async def cleanup(self) -> None: ...
 

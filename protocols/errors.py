@@ -9,6 +9,30 @@
 Every error carries a stable ``code`` (a dotted reason in the spirit of Dynamo's error chain) so
 it crosses process boundaries intact: :func:`error_from_wire` rebuilds the same class from
 ``(code, message)``.
+
+The hierarchy (a class subclasses the nearest less indented one above it), each with the HTTP
+status the frontend answers with, ``migratable`` where a request stream may re-dispatch the
+request to another worker, and its wire code::
+
+    RequestError                   500              internal
+        RequestCancelled           499              request.cancelled
+        InvalidRequest             400              request.invalid
+            ContextLengthExceeded  400              request.context_length_exceeded
+        ModelNotFound              404              request.model_not_found
+        Overloaded                 503              capacity.exhausted
+        NoWorkerAvailable          503              capacity.no_worker
+        RequestTimeout             504              request.timeout
+        MigrationExhausted         500              request.migration_exhausted
+        WorkerDraining             503  migratable  backend.worker_draining
+        EngineShutdown             503  migratable  backend.engine_shutdown
+        EngineFailure              500  migratable  backend.engine_failure
+        StreamStalled              500  migratable  backend.response_timeout
+        StreamIncomplete           500  migratable  backend.stream_incomplete
+        KVTransferError            500  migratable  kv.transfer_failed
+            KVCorrupted            500  migratable  kv.corrupted
+
+The serving application adds a few subclasses (its KV transfer's, drawn in
+:mod:`actors.serving.errors`); the codec's own errors are :class:`protocols.codec.ProtocolError`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ into the room's pages), :class:`RoomFailed` (the room ended badly; also implies 
 :class:`Pong`, :class:`UnknownPeer` (send ``Hello`` again: prefill restarted or forgot you).
 
 Everything is a ``msgspec`` struct encoded with msgpack; nothing is pickled. Page lists travel as
-packed little-endian int64 (decoding a list of 2k ints costs 50-60 us, packed bytes nearly nothing).
+packed little-endian int64 (decoding a long list of ints costs far more than packed bytes).
 """
 
 from __future__ import annotations

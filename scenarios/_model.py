@@ -29,7 +29,7 @@ FAST_ENGINE: dict[str, Any] = {
 
 # Serving defaults for scenarios: an ephemeral loopback port, and detection times scaled to CI
 # (a hung process is killed after 2 s without heartbeats, a stalled stream migrates after 4 s:
-# short enough for a quick suite, long enough that a busy 2-core box does not trip them).
+# short enough for a quick suite, long enough that a busy small machine does not trip them).
 _FAST_SERVE: dict[str, Any] = {
     "backend": "mock",  # ServeConfig's own defaults serve a real model, disaggregated
     "mode": "aggregated",

@@ -16,6 +16,7 @@ from supervisors._errors import (
     InvalidFlags,
     SupervisorError,
     SupervisorExited,
+    SupervisorReplyError,
 )
 from supervisors._events import REGISTRY as METRICS_REGISTRY
 from supervisors._open import open_supervisor
@@ -23,6 +24,7 @@ from supervisors._spec import (
     AutoShutdown,
     Backoff,
     ChildSpec,
+    Quarantine,
     Restart,
     Shutdown,
     Strategy,
@@ -47,6 +49,7 @@ __all__ = [
     "ChildStartFailed",
     "InvalidChildSpec",
     "InvalidFlags",
+    "Quarantine",
     "Restart",
     "Shutdown",
     "Strategy",
@@ -55,6 +58,7 @@ __all__ = [
     "SupervisorExited",
     "SupervisorFlags",
     "SupervisorRef",
+    "SupervisorReplyError",
     "SupervisorStatistics",
     "TreeNode",
     "open_supervisor",

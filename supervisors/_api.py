@@ -38,7 +38,7 @@ class ChildInfo:
 
     id: str
     ref: ActorRef[Any]
-    state: Literal["running", "restarting", "undefined"]
+    state: Literal["running", "restarting", "quarantined", "undefined"]
     kind: Literal["worker", "supervisor"]
 
 

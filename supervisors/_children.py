@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Literal
 
 import attrs
@@ -25,6 +26,10 @@ class Child:
     started_at: float = 0.0
     restart_attempts: int = 0  # consecutive, for backoff
     pending_restart: int = 0  # token of a scheduled delayed restart (0: none)
+    # Restart times within the quarantine period, and how many quarantines in a row.
+    recent_restarts: deque[float] = attrs.Factory(deque)
+    quarantines: int = 0
+    quarantined: bool = False
 
     @property
     def label(self) -> str:
@@ -40,9 +45,11 @@ class Child:
         return False
 
     def info(self) -> ChildInfo:
-        state: Literal["running", "restarting", "undefined"]
+        state: Literal["running", "restarting", "quarantined", "undefined"]
         if self.inc is not None:
             state = "running"
+        elif self.quarantined:
+            state = "quarantined"
         elif self.ref._cell.state is CellState.RESTARTING:
             state = "restarting"
         else:

@@ -33,7 +33,7 @@ from actors import (
 from actors.lowlevel import OWNER_GONE, TELL, Cell, CellState, Incarnation, Item
 from supervisors._children import Child
 from supervisors._errors import ChildStartFailed, InvalidChildSpec
-from supervisors._events import emit, forget, set_backoff
+from supervisors._events import emit, forget, set_backoff, set_quarantined
 from supervisors._host import TaskHost
 from supervisors._spec import AutoShutdown, ChildSpec, Restart, Strategy, SupervisorFlags
 from supervisors._terminate import release, terminate, terminate_parallel
@@ -85,6 +85,11 @@ class SupervisorCore(Actor):
             if spec.id in seen:
                 raise InvalidChildSpec(spec.id, "id", "duplicate child id")
             seen.add(spec.id)
+        if self.flags.strategy is not Strategy.ONE_FOR_ONE and not self._dynamic:
+            for spec in specs:
+                if spec.quarantine is not None:
+                    # Leaving one member of a group down would break the group's strategy.
+                    raise InvalidChildSpec(spec.id, "quarantine", "needs a one_for_one supervisor")
         if self._dynamic and len(specs) != 1:
             raise InvalidChildSpec(
                 None, "children", "simple_one_for_one needs exactly one template spec"
@@ -218,9 +223,47 @@ class SupervisorCore(Actor):
                 self._forget(child)
             self._check_auto_shutdown(child)
             return
-        if not self._record_restart():
+        if not self._may_restart(child):
             return
         await self._apply_strategy(child)
+
+    def _may_restart(self, child: Child, *, ran: bool = True) -> bool:
+        """Count a restart of ``child`` (which ``ran``, or failed to start): ``False`` if it must
+        not happen now (the supervisor escalated, or the child was quarantined and will be
+        started after its cooldown)."""
+        policy = child.spec.quarantine
+        if policy is None:
+            return self._record_restart()
+        now = self.clock.now()
+        window = child.recent_restarts
+        if child.quarantines and ran and now - child.started_at >= policy.period:
+            child.quarantines = 0  # back from quarantine and up for a whole period: healed
+            window.clear()
+        if not child.quarantines:
+            while window and window[0] < now - policy.period:
+                window.popleft()
+            window.append(now)
+            if len(window) <= policy.intensity:
+                return True
+        # Over the intensity, or failing again while on probation after a quarantine.
+        child.quarantines += 1
+        delay = policy.delay(child.quarantines)
+        child.quarantined = True
+        child.ref._cell.set_state(CellState.RESTARTING)
+        token = child.pending_restart = next(self._tokens)
+        set_quarantined(self.name, child.label, True)
+        set_backoff(self.name, child.label, delay)
+        emit(
+            self.name,
+            child.label,
+            "quarantined",
+            restarts=len(window),
+            period=policy.period,
+            cooldown=round(delay, 4),
+            quarantines=child.quarantines,
+        )
+        self.start_soon(self._restart_after, delay, (child,), token)
+        return False
 
     def _record_restart(self) -> bool:
         """Count a restart; over the intensity, give up and escalate (``False``)."""
@@ -292,6 +335,9 @@ class SupervisorCore(Actor):
         for child in group:
             child.pending_restart = 0
             set_backoff(self.name, child.label, 0.0)
+            if child.quarantined:
+                child.quarantined = False
+                set_quarantined(self.name, child.label, False)
             try:
                 await self._start(child)
             except ChildStartFailed:
@@ -301,7 +347,7 @@ class SupervisorCore(Actor):
                     await terminate(self.name, done)
                 for member in group:
                     member.ref._cell.set_state(CellState.RESTARTING)
-                if self._record_restart():
+                if self._may_restart(child, ran=False):
                     await self._schedule_restart(child, group, retry=True)
                 return
             started.append(child)

@@ -1,5 +1,21 @@
-"""Supervisor errors. Those raised by child administration calls are reply errors: the caller
-gets them, the supervisor keeps running (OTP's ``{error, Reason}`` returns)."""
+"""Supervisor errors, under one root: :class:`SupervisorError`.
+
+Those a child administration call answers with are reply errors too: the caller gets them, the
+supervisor keeps running (OTP's ``{error, Reason}`` returns). The hierarchy (a class subclasses
+the nearest less indented one above it)::
+
+    SupervisorError ................... anything a supervisor raises at its user
+        SupervisorReplyError .......... a call's error answer; an actors.ReplyError too
+            ChildNotFound ............. no child of that id or ref
+            ChildRunning .............. restart or delete of a running child
+            ChildRestarting ........... restart or delete of a child waiting to restart
+            ChildAlreadyPresent ....... start_child: the id is taken by a stopped child
+            ChildAlreadyStarted ....... start_child: the id is taken by a running child
+            ChildStartFailed .......... the child's start raised or timed out (``cause``)
+            InvalidChildSpec .......... a malformed child spec; a ValueError too
+            InvalidFlags .............. malformed supervisor flags; a ValueError too
+        SupervisorExited .............. the root supervisor of ``open_supervisor`` exited
+"""
 
 from __future__ import annotations
 
@@ -18,32 +34,37 @@ __all__ = [
     "InvalidFlags",
     "SupervisorError",
     "SupervisorExited",
+    "SupervisorReplyError",
 ]
 
 
-class SupervisorError(ReplyError):
-    """Base of the supervisor's typed errors."""
+class SupervisorError(Exception):
+    """Base of every error of the supervisors package."""
 
 
-class ChildNotFound(SupervisorError):
+class SupervisorReplyError(SupervisorError, ReplyError):
+    """A supervisor call failed: its caller gets this error, the supervisor goes on."""
+
+
+class ChildNotFound(SupervisorReplyError):
     def __init__(self, child_id: object) -> None:
         super().__init__(f"no child {child_id!r}")
         self.child_id = child_id
 
 
-class ChildRunning(SupervisorError):
+class ChildRunning(SupervisorReplyError):
     def __init__(self, child_id: str) -> None:
         super().__init__(f"child {child_id!r} is running")
         self.child_id = child_id
 
 
-class ChildRestarting(SupervisorError):
+class ChildRestarting(SupervisorReplyError):
     def __init__(self, child_id: str) -> None:
         super().__init__(f"child {child_id!r} is restarting")
         self.child_id = child_id
 
 
-class ChildAlreadyPresent(SupervisorError):
+class ChildAlreadyPresent(SupervisorReplyError):
     """A spec with that id exists but is not running."""
 
     def __init__(self, child_id: str) -> None:
@@ -51,14 +72,14 @@ class ChildAlreadyPresent(SupervisorError):
         self.child_id = child_id
 
 
-class ChildAlreadyStarted(SupervisorError):
+class ChildAlreadyStarted(SupervisorReplyError):
     def __init__(self, child_id: str, ref: ActorRef[Any]) -> None:
         super().__init__(f"child {child_id!r} already started")
         self.child_id = child_id
         self.ref = ref
 
 
-class ChildStartFailed(SupervisorError):
+class ChildStartFailed(SupervisorReplyError):
     """A child's start raised (or timed out); ``cause`` is why."""
 
     def __init__(self, child_id: object, cause: BaseException) -> None:
@@ -67,7 +88,7 @@ class ChildStartFailed(SupervisorError):
         self.cause = cause
 
 
-class InvalidChildSpec(SupervisorError, ValueError):
+class InvalidChildSpec(SupervisorReplyError, ValueError):
     """A child spec is malformed; ``field`` names the offending key."""
 
     def __init__(self, child_id: object, field: str, problem: str) -> None:
@@ -77,14 +98,14 @@ class InvalidChildSpec(SupervisorError, ValueError):
         self.problem = problem
 
 
-class InvalidFlags(SupervisorError, ValueError):
+class InvalidFlags(SupervisorReplyError, ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"invalid supervisor flags: {field}: {problem}")
         self.field = field
         self.problem = problem
 
 
-class SupervisorExited(Exception):
+class SupervisorExited(SupervisorError):
     """The root supervisor of an :func:`open_supervisor` block exited on its own."""
 
     def __init__(self, name: str, reason: ExitReason) -> None:

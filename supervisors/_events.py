@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import structlog
@@ -9,7 +10,7 @@ from prometheus_client import Counter, Gauge
 
 from actors.telemetry import REGISTRY as _TELEMETRY_REGISTRY
 
-__all__ = ["REGISTRY", "emit", "forget", "set_backoff"]
+__all__ = ["REGISTRY", "emit", "forget", "set_backoff", "set_quarantined"]
 
 REGISTRY = _TELEMETRY_REGISTRY
 """The registry holding the supervision metrics; the telemetry actor serves it on /metrics."""
@@ -17,13 +18,20 @@ REGISTRY = _TELEMETRY_REGISTRY
 _EVENTS = Counter(
     "actorserve_supervisor_events",
     "Supervisor events by kind: started, exited, restarted, start_failed, escalated, backoff, "
-    "terminated, ignored, auto_shutdown.",
+    "terminated, ignored, auto_shutdown, quarantined.",
     ["supervisor", "child", "event"],
     registry=REGISTRY,
 )
 _BACKOFF = Gauge(
     "actorserve_supervisor_backoff_seconds",
     "Delay before a child's pending restart (0 when none is pending).",
+    ["supervisor", "child"],
+    registry=REGISTRY,
+)
+
+_QUARANTINED = Gauge(
+    "actorserve_supervisor_child_quarantined",
+    "1 while a child is quarantined (left down after crash-looping), else 0.",
     ["supervisor", "child"],
     registry=REGISTRY,
 )
@@ -71,7 +79,7 @@ def emit(supervisor: str, child: str, event: str, **fields: Any) -> None:
     if event == "exited":
         # A normal exit (a finished request stream) is routine; a crash is not.
         level = "warning" if fields.get("abnormal") else "debug"
-    elif event in ("escalated", "start_failed"):
+    elif event in ("escalated", "start_failed", "quarantined"):
         level = "warning"
     try:
         getattr(_logger(), level)(event, supervisor=supervisor, child=child, **fields)
@@ -81,6 +89,10 @@ def emit(supervisor: str, child: str, event: str, **fields: Any) -> None:
 
 def set_backoff(supervisor: str, child: str, seconds: float) -> None:
     _BACKOFF.labels(supervisor, child).set(seconds)
+
+
+def set_quarantined(supervisor: str, child: str, quarantined: bool) -> None:
+    _QUARANTINED.labels(supervisor, child).set(1 if quarantined else 0)
 
 
 EVENTS = (
@@ -93,6 +105,7 @@ EVENTS = (
     "terminated",
     "ignored",
     "auto_shutdown",
+    "quarantined",
 )
 
 
@@ -102,4 +115,6 @@ def forget(supervisor: str, child: str) -> None:
     for event in EVENTS:
         _counters.pop((supervisor, child, event), None)
         _EVENTS.remove(supervisor, child, event)
-    _BACKOFF.remove(supervisor, child)
+    for gauge in (_BACKOFF, _QUARANTINED):
+        with contextlib.suppress(KeyError):
+            gauge.remove(supervisor, child)

@@ -1,16 +1,16 @@
 """Many short-lived tasks under one task of a task group: a dynamic supervisor's children.
 
-anyio's ``start_soon`` costs about 35 us of CPU per task on asyncio (measured on uvloop; a plain
-``loop.create_task`` costs under 2): a handle with its own cancel scope and event, a wrapper
-coroutine and a done callback per task. A ``simple_one_for_one`` supervisor starts a child per
-request, so on asyncio :class:`TaskHost` runs them as plain asyncio tasks instead, owned by one
-host task in the supervisor's task group. Structured all the same: when the host ends (its task
-group is cancelled, or the supervisor stops), it cancels every task still running and waits for
-them, shielded; a task that fails (anything but a cancellation) cancels the host, which re-raises
-the error in the task group, as a failed child task of the group itself would. On trio, anyio's
-``start_soon`` wraps each task in a handle too (about 40 us, five times trio's own spawn), so the
-host opens a trio nursery and starts them there: inside the group's cancel scopes, with trio's
-own semantics. Before the host runs and after it ended, tasks go to the task group as usual.
+anyio's ``start_soon`` costs many times a plain ``loop.create_task`` per task on asyncio: a handle
+with its own cancel scope and event, a wrapper coroutine and a done callback per task. A
+``simple_one_for_one`` supervisor starts a child per request, so on asyncio :class:`TaskHost` runs
+them as plain asyncio tasks instead, owned by one host task in the supervisor's task group.
+Structured all the same: when the host ends (its task group is cancelled, or the supervisor stops),
+it cancels every task still running and waits for them, shielded; a task that fails (anything but a
+cancellation) cancels the host, which re-raises the error in the task group, as a failed child task
+of the group itself would. On trio, anyio's ``start_soon`` wraps each task in a handle too (several
+times trio's own spawn), so the host opens a trio nursery and starts them there: inside the group's
+cancel scopes, with trio's own semantics. Before the host runs and after it ended, tasks go to the
+task group as usual.
 
 On asyncio, tasks started here are not inside the group's cancel scopes: only the host cancels
 them. What runs in them (an actor's incarnation) must therefore treat a cancellation it did not

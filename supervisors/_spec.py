@@ -75,6 +75,35 @@ class Backoff:
         return max(0.0, base * (1 + self.jitter * (2 * rand - 1)))
 
 
+@attrs.frozen
+class Quarantine:
+    """What a one_for_one supervisor does with a child that keeps failing (beyond OTP, where a
+    crash loop exhausts the supervisor's intensity and takes every sibling down with it).
+
+    Such a child's restarts do not count against its supervisor's intensity. Past ``intensity``
+    restarts within ``period`` seconds it is quarantined instead: left down for ``cooldown``
+    seconds, then started again on probation: failing again before it stayed up ``period``
+    seconds quarantines it at once, for twice as long (up to ``max_cooldown``); staying up that
+    long heals it. Its siblings and its supervisor run on throughout. While quarantined,
+    ``which_children`` reports it ``"quarantined"``.
+    """
+
+    intensity: int = 3
+    period: float = 30.0
+    cooldown: float = 5.0
+    max_cooldown: float = 300.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.intensity < 0 or self.period <= 0:
+            raise ValueError("quarantine needs intensity >= 0 and period > 0")
+        if not 0 <= self.cooldown <= self.max_cooldown:
+            raise ValueError("quarantine needs 0 <= cooldown <= max_cooldown")
+
+    def delay(self, quarantines: int) -> float:
+        """The time down for quarantine number ``quarantines`` (1-based)."""
+        return min(self.max_cooldown, self.cooldown * 2.0 ** (quarantines - 1))
+
+
 def _check_shutdown(spec: ChildSpec, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value in ("brutal_kill", "infinity"):
         return
@@ -101,6 +130,7 @@ class ChildSpec:
     significant: bool = False
     name: str | None = None
     backoff: Backoff | None = None
+    quarantine: Quarantine | None = None
     while_restarting: WhileRestarting = attrs.field(factory=WhileRestarting)
     start_timeout: float | None = None
 

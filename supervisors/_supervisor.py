@@ -23,7 +23,7 @@ from supervisors._errors import (
     ChildRestarting,
     ChildRunning,
     ChildStartFailed,
-    SupervisorError,
+    SupervisorReplyError,
 )
 from supervisors._spec import ChildSpec, Restart
 from supervisors._terminate import terminate
@@ -81,7 +81,7 @@ class Supervisor(SupervisorCore):
         self, message: Any, args: tuple[Any, ...], reply: Reply | None
     ) -> tuple[ActorRef[Any] | None, Reply, ChildStartFailed | None]:
         if not self._dynamic:
-            raise SupervisorError("start_dynamic_ask needs a simple_one_for_one supervisor")
+            raise SupervisorReplyError("start_dynamic_ask needs a simple_one_for_one supervisor")
         if reply is None:
             reply = self._runtime.backend.reply()
         try:
@@ -98,12 +98,12 @@ class Supervisor(SupervisorCore):
     ) -> ActorRef[Any] | None:
         if self._dynamic:
             if spec is not None:  # OTP: simple_one_for_one takes start arguments, not specs
-                raise SupervisorError("simple_one_for_one starts children with start_dynamic")
+                raise SupervisorReplyError("simple_one_for_one starts children with start_dynamic")
             template = self._specs[0]
             child = self._add(template, args, f"{template.id}-{next(self._dynamic_ids)}")
         else:
             if spec is None:
-                raise SupervisorError("start_child needs a child spec")
+                raise SupervisorReplyError("start_child needs a child spec")
             existing = self._children.get(spec.id)
             if existing is not None:
                 if existing.inc is not None:
@@ -131,7 +131,7 @@ class Supervisor(SupervisorCore):
 
     async def _restart_child(self, child_id: str) -> ActorRef[Any] | None:
         if self._dynamic:
-            raise SupervisorError("restart_child is not supported by simple_one_for_one")
+            raise SupervisorReplyError("restart_child is not supported by simple_one_for_one")
         child = self._find(child_id)
         self._check_idle(child)
         await self._start(child)
@@ -139,7 +139,7 @@ class Supervisor(SupervisorCore):
 
     def _delete_child(self, child_id: str) -> None:
         if self._dynamic:
-            raise SupervisorError("delete_child is not supported by simple_one_for_one")
+            raise SupervisorReplyError("delete_child is not supported by simple_one_for_one")
         child = self._find(child_id)
         self._check_idle(child)
         self._forget(child)

@@ -28,10 +28,16 @@ pytest_plugins = ["tests.helpers.fixtures"]
 _TMP = tempfile.mkdtemp(prefix="actorserve-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = _TMP
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+# The roots' private run directories (control socket, token) live here too: a root's directory
+# left behind after its test is a leak like any other file.
+os.environ["XDG_RUNTIME_DIR"] = _TMP
+_RUN = os.path.join(_TMP, "actorserve")
+os.mkdir(_RUN, 0o700)
 
 
 def _temp_files() -> set[str]:
-    return {name for name in os.listdir(_TMP) if not name.startswith("pytest-of-")}
+    names = {name for name in os.listdir(_TMP) if not name.startswith("pytest-of-")}
+    return names | {f"actorserve/{name}" for name in os.listdir(_RUN)}
 
 
 # Every test has a watchdog: a hang fails its test instead of stalling the whole run.

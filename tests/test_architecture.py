@@ -71,7 +71,9 @@ def _cycles(graph: grimp.ImportGraph) -> list[set[str]]:
                     counter += 1
                     stack.append(child)
                     on_stack.add(child)
-                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(child)))))
+                    work.append(
+                        (child, iter(sorted(graph.find_modules_directly_imported_by(child))))
+                    )
                     break
                 if child in on_stack:
                     low[node] = min(low[node], index[child])

@@ -1,6 +1,6 @@
 """Backend-native wake-ups for the hot path.
 
-anyio's memory streams cost 36-53 us per request/reply on these machines; the mailbox, replies
+anyio's memory streams cost several times a bare wake-up per request/reply; the mailbox, replies
 and reply streams instead park one task on a bare asyncio future or trio's
 ``wait_task_rescheduled``. Every user re-checks its condition before parking, so a wake-up with
 nobody parked is simply dropped.

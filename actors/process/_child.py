@@ -295,7 +295,7 @@ async def _serve(endpoints: list[str], factory: str, args: bytes, opts: ChildOpt
                 return
             # Started: what is alive now (modules, the actor and its engine) lives as long as the
             # process, so the cyclic GC stops walking it: a full collection of an engine worker
-            # took 30-100 ms on a 2-core VM, a pause for every request it serves.
+            # is a pause for every request it serves.
             gc.freeze()
             tg.start_soon(server.serve)
             tg.start_soon(server.heartbeat, opts.heartbeat_interval)

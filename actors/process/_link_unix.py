@@ -14,7 +14,7 @@ could outlive the handler: a decoded ``msgspec.Raw`` field points into what it w
 from). A frame cut by the end of a read waits for the next one (moved to the front of the buffer
 if it would not fit where it is); a frame larger than the buffer gets a buffer of its own,
 received into directly and handed over without a copy. A read that leaves room in the buffer
-means the socket is empty, so no second ``recv`` meets EAGAIN (1.7 us here).
+means the socket is empty, so no second ``recv`` pays for meeting EAGAIN.
 
 Writing: length and header are packed in one go; a small message's body is copied behind them and
 sent with one syscall, a large one goes out with them in one ``sendmsg``, without a copy. What the

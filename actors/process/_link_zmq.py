@@ -3,7 +3,7 @@
 Two sockets per side, one that only receives (PULL, bound by the parent) and one that only sends
 (PUSH): a ZMQ send processes its socket's pending commands and so can consume the FD's wake-up
 while a message waits, which forces a socket that does both to re-check ``EVENTS`` after every
-send (about 4 us here, on both sides of every round trip). A send-only socket has nothing to lose.
+send, on both sides of every round trip. A send-only socket has nothing to lose.
 
 Each wake-up tries a receive at once (a wake-up almost always means a message) and reads until
 ``EVENTS`` shows none left, which re-arms the FD's edge. ZMQ reconnects on its own: a ZMQ link
@@ -30,8 +30,7 @@ _COPY_BELOW = 65536  # larger messages are sent without a copy
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
-# The backend's methods, skipping pyzmq's pure-Python wrappers (a send through them costs 1.3 us
-# here, 0.5 us without).
+# The backend's methods, skipping pyzmq's pure-Python wrappers, which cost more than the send.
 _send: Any = _RawSocket.send
 _recv: Any = _RawSocket.recv
 _get: Any = _RawSocket.get

@@ -29,7 +29,7 @@ import msgspec
 from actors._actor import Actor
 from actors._backends import Reply, backend
 from actors._backends._loops import Loop, default_loop
-from actors._errors import ActorCrashed, ActorNotRunning
+from actors._errors import ActorCrashed, ActorError, ActorNotRunning
 from actors._exit import ExitReason
 from actors._mailbox import ASK, STREAM, TELL, Item
 from actors._ref import crash_error
@@ -66,7 +66,7 @@ class ProcessOptions:
     term_timeout: float = 2.0  # SIGTERM, then SIGKILL
 
 
-class ProcessDied(Exception):
+class ProcessDied(ActorError):
     """The actor's OS process ended without the actor exiting cleanly."""
 
     def __init__(self, name: str, exitcode: int | None, cause: str | None = None) -> None:

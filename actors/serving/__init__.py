@@ -8,9 +8,12 @@ Sub-packages, lowest layer first (``pyproject.toml``'s import-linter contracts k
 - :mod:`~actors.serving.routing` and :mod:`~actors.serving.requests`: the routing view and the
   request-stream actors that own each request;
 - :mod:`~actors.serving.root`: the tree, its lifecycles and control; :mod:`actors.serving.cli`,
-  the ``actorserve`` command.
+  the ``actorserve`` command;
+- :mod:`actors.serving.errors`: the application's errors under :class:`ServingError` (outside the
+  layers: every one may import it).
 """
 
+from actors.serving.errors import ServingError
 from actors.serving.requests import Admission, RequestOutputs, RequestStream, StreamOptions
 from actors.serving.root import (
     Budgets,
@@ -32,7 +35,7 @@ from actors.serving.root import (
     serving_children,
     wait_healthy,
 )
-from actors.serving.routing import Route, Routed, Router, RoutingTable, WorkerEntry
+from actors.serving.routing import Routed, RoutingTable, WorkerEntry
 
 __all__ = [
     "Admission",
@@ -47,12 +50,11 @@ __all__ = [
     "RequestStream",
     "Resume",
     "RootOptions",
-    "Route",
     "Routed",
-    "Router",
     "RoutingTable",
     "ServeConfig",
     "Serving",
+    "ServingError",
     "StreamOptions",
     "UndrainWorker",
     "WorkerEntry",

@@ -14,13 +14,15 @@ import typer
 from rich.console import Console
 
 from actors.lowlevel import default_loop, run_on
+from actors.serving.errors import ServingError
 from actors.serving.root import (
     Budgets,
     RootOptions,
-    default_control_path,
+    find_control_socket,
     load_token,
     request_tree,
     run_root,
+    token_file_of_this_root,
 )
 from supervisors import SupervisorRef, render_tree, snapshot_tree
 
@@ -93,10 +95,17 @@ def run(
         ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
-    control: Annotated[str, typer.Option(help="Path of the local control socket.")] = "",
+    control: Annotated[
+        str,
+        typer.Option(help="Path of the local control socket (default: in the root's run dir)."),
+    ] = "",
     control_api_port: Annotated[
-        int | None, typer.Option(help="Serve the control API on this loopback port.")
+        int | None, typer.Option(help="Serve the token-protected control API on this port.")
     ] = None,
+    control_api_host: Annotated[
+        str,
+        typer.Option(help="Address of the control API (loopback unless set: its own flag)."),
+    ] = "127.0.0.1",
     control_token_file: Annotated[
         str | None,
         typer.Option(help="File holding the control API token (else $ACTORSERVE_CONTROL_TOKEN)."),
@@ -108,7 +117,7 @@ def run(
         float, typer.Option(help="Shutdown: seconds for in-flight requests.")
     ] = 30.0,
 ) -> None:
-    """Start the root process: workers, router, request streams and the OpenAI-compatible API."""
+    """Start the root process: workers, request streams and the OpenAI-compatible API."""
     from actors.serving.root import Serving, load_config
 
     configure_logging(log_level)
@@ -151,13 +160,16 @@ def run(
             raise
         console.print(f"[red]the model is not installed:[/red] {exc}")
         raise typer.Exit(2) from None
-    token, token_file = (
-        load_token(control_token_file) if control_api_port is not None else ("", None)
-    )
+    try:
+        token = load_token(control_token_file) if control_api_port is not None else None
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]bad control token:[/red] {exc}")
+        raise typer.Exit(2) from None
     options = RootOptions(
         budgets=Budgets(grace=grace_period, drain=drain_budget),
-        control_socket=control or default_control_path(),
+        control_socket=control or None,
         control_api_port=control_api_port,
+        control_api_host=control_api_host,
         control_token=token,
     )
 
@@ -174,8 +186,8 @@ def run(
                 f"[bold green]ready[/bold green]: http://{cfg.host}:{serving.port}/v1 "
                 f"(model {cfg.model!r}); Ctrl-C or SIGTERM stops gracefully, twice exits at once"
             )
-            if token_file:
-                console.print(f"control API token written to {token_file}")
+            if control_api_port is not None and token is None:
+                console.print(f"control API token written to {token_file_of_this_root()}")
 
         try:
             await run_root(serving, options, on_ready=ready)
@@ -230,8 +242,8 @@ def tree(
     import attrs
 
     try:
-        node = anyio.run(request_tree, control or default_control_path())
-    except (TimeoutError, RuntimeError) as exc:
+        node = anyio.run(request_tree, control or find_control_socket())
+    except (TimeoutError, RuntimeError, OSError, anyio.EndOfStream, ServingError) as exc:
         console.print(f"[red]no running root answered:[/red] {exc}")
         raise typer.Exit(1) from None
     if as_json:

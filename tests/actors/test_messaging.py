@@ -22,8 +22,9 @@ from actors import (
     VirtualClock,
     WhileRestarting,
 )
+from actors.testing import wait_until
 from supervisors import Backoff, ChildSpec, Restart, SupervisorFlags, open_supervisor
-from tests.helpers.supervision import Boom, Refused, Worker, crash, wait_until, worker_spec
+from tests.helpers.supervision import Boom, Refused, Worker, crash, worker_spec
 
 FLAGS = SupervisorFlags(intensity=100)
 

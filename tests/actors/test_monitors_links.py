@@ -9,8 +9,9 @@ import anyio
 import pytest
 
 from actors import Actor, ActorRef, Down, Exit, ExitReason, LinkedExit
+from actors.testing import wait_until
 from supervisors import ChildSpec, Restart, SupervisorFlags, SupervisorRef, open_supervisor
-from tests.helpers.supervision import Boom, crash, exit_with, wait_until, worker_spec
+from tests.helpers.supervision import Boom, crash, exit_with, worker_spec
 
 FLAGS = SupervisorFlags(intensity=100)
 

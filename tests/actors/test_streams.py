@@ -14,8 +14,9 @@ import pytest
 from actors import Actor, ActorCrashed, ActorNotRunning, ReplyError
 from actors._backends import backend
 from actors._stream import StreamChannel
+from actors.testing import wait_until
 from supervisors import ChildSpec, Restart, SupervisorFlags, open_supervisor
-from tests.helpers.supervision import Boom, Refused, crash, wait_until
+from tests.helpers.supervision import Boom, Refused, crash
 
 FLAGS = SupervisorFlags(intensity=100)
 

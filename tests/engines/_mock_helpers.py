@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
-
-import anyio
 
 from actors.serving.engines import MockEngine, MockEngineConfig, TimingModel
 from protocols.engine import (
@@ -90,13 +88,6 @@ async def run(engine: MockEngine, req: PreprocessedRequest) -> tuple[list[int], 
     """Generate to the end; the tokens and the final output."""
     outputs = await collect(engine.generate(req))
     return tokens_of(outputs), outputs[-1]
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait until ``predicate()`` holds (engine state a test can observe but not await)."""
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0.001)
 
 
 def memory_in_use() -> int:

@@ -453,10 +453,4 @@ async def collect(
     return out
 
 
-async def wait_for(cond: Callable[[], bool]) -> None:
-    with anyio.fail_after(5):
-        while not cond():
-            await anyio.sleep(0.001)
-
-
 BOOT = BootstrapInfo(host="10.0.0.9", port=9000, room=42)

@@ -33,6 +33,7 @@ from actors.serving.engines._hf import (
 )
 from actors.serving.engines._hf._kv import PagePool
 from actors.serving.engines._hf._model import load_model
+from actors.testing import wait_until
 from protocols.engine import (
     Engine,
     EngineOutput,
@@ -143,13 +144,6 @@ async def collect(stream: AsyncGenerator[EngineOutput, None]) -> tuple[list[int]
             last = out
     assert last is not None and last.finished
     return tokens, last
-
-
-async def wait_until(predicate: Any) -> None:
-    """Poll an engine statistic (state the step thread publishes; nothing to wait on)."""
-    with anyio.fail_after(20):
-        while not predicate():
-            await anyio.sleep(0.01)
 
 
 # ---- model location and KV layout (no engine) --------------------------------------------------
@@ -330,7 +324,7 @@ async def test_chunked_prefill_and_preemption_keep_greedy_output(ref: Reference)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, 0)
-            await wait_until(lambda: engine.statistics().running == 1)
+            await wait_until(lambda: engine.statistics().running == 1, timeout=20)
             tg.start_soon(run, 1)
         assert got == {0: ref.greedy[3][:SHORT], 1: ref.greedy[2][:SHORT]}
         stats = engine.statistics()
@@ -349,7 +343,7 @@ async def test_abort_before_first_token(ref: Reference) -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
-            await wait_until(lambda: engine.statistics().waiting == 1)
+            await wait_until(lambda: engine.statistics().waiting == 1, timeout=20)
             await engine.abort("early")
         tokens, last = got[0]
         assert tokens == [] and last.finish_reason == "cancelled"
@@ -436,7 +430,7 @@ async def test_release_and_resume_memory(ref: Reference) -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)  # queues while memory is released
-            await wait_until(lambda: engine.statistics().waiting == 1)
+            await wait_until(lambda: engine.statistics().waiting == 1, timeout=20)
             await anyio.sleep(0.2)
             assert not got and engine.statistics().tokens_generated == 2
             await engine.resume_memory([MemoryTag.WEIGHTS, MemoryTag.KV_CACHE])

@@ -9,13 +9,13 @@ import anyio
 import pytest
 
 from actors.serving.engines import MockEngine, TimingModel
+from actors.testing import wait_until
 from protocols.engine import Engine, MemoryTag, PauseMode
 from protocols.errors import ContextLengthExceeded, EngineShutdown, InvalidRequest
 from tests.engines._mock_helpers import (
     FAST,
     collect,
     config,
-    eventually,
     request,
     run,
     tokens_of,
@@ -163,7 +163,7 @@ async def test_abort_while_prefilling_and_after_finishing() -> None:
     # A slow prefill: one huge chunk per step at speed-up 1 (~100 ms).
     async with MockEngine(config(timing=TimingModel(speedup=1.0))) as engine:
         stream = engine.generate(request("p", list(range(900)), max_tokens=5))
-        await eventually(lambda: engine.phase_of("p") == "prefill")
+        await wait_until(lambda: engine.phase_of("p") == "prefill", timeout=5.0)
         await engine.abort("p")
         assert engine.phase_of("p") is None
         assert engine.statistics().used_blocks == 0
@@ -177,7 +177,7 @@ async def test_dropping_an_unfinished_stream_aborts_it() -> None:
         await stream.__anext__()
         del stream
         gc.collect()
-        await eventually(engine.is_quiescent)
+        await wait_until(engine.is_quiescent, timeout=5.0)
         assert engine.statistics().used_blocks == 0
 
 

@@ -13,11 +13,13 @@ import pytest
 from actors.serving.engines import KvPages, MockEngine, TimingModel
 from actors.serving.kv import PageAllocation, ReceivedKV
 from actors.serving.worker import replay_kv_events
+from actors.serving.worker._faults import InjectedFaults
 from actors.serving.worker._kvbridge import MockTransfer, _pack_prefix_hash
+from actors.testing import wait_until
 from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, StopConditions
 from protocols.errors import KVCorrupted
 from protocols.kv_events import BlockStored
-from tests.engines._mock_helpers import collect, config, eventually, request, run, tokens_of
+from tests.engines._mock_helpers import collect, config, request, run, tokens_of
 
 PROMPTS = [list(range(500 + i, 540 + i)) for i in range(3)]  # 2 full pages of 16 and a partial
 
@@ -218,7 +220,7 @@ async def test_live_migrations_received_together_publish_one_kv_event_batch() ->
             source.release_transfer(f"r{i}")
         # Their pages are published by the step loop's next turn, all in one batch.
         assert target.kv_events_last_seq() == last
-        await eventually(lambda: target.kv_events_last_seq() > last)
+        await wait_until(lambda: target.kv_events_last_seq() > last, timeout=5.0)
         replay = target.capacity.kv_events_replay_endpoints[0]
         (seq, batch), *_ = await replay_kv_events(replay, last + 1)
         stored = {h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes}
@@ -334,19 +336,14 @@ async def test_kv_whose_hash_is_not_its_tokens_fails(overlap: bool) -> None:
 
 
 async def test_the_bridge_verifies_the_kv_landing_in_one_turn_in_one_pass() -> None:
-    corrupt = [1]  # the first request to check gets a flipped byte (``corrupt_kv``)
-
-    def fault(operation: str) -> bool:
-        if operation != "corrupt_kv" or not corrupt[0]:
-            return False
-        corrupt[0] -= 1
-        return True
+    faults = InjectedFaults()
+    faults.add("corrupt_kv")  # the first request to check gets a flipped byte
 
     async with (
         MockEngine(config()) as source,
         MockEngine(config(role="decode")) as target,
     ):
-        transfer = MockTransfer(target, fault)
+        transfer = MockTransfer(target, faults)
         pool = transfer.pool()
         pages, done = await _handed_over(source)
         lives = [_live(f"m{i}", p, done[i], 30) for i, p in enumerate(PROMPTS)]

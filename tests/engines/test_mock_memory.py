@@ -9,6 +9,7 @@ import pytest
 
 from actors.serving.engines import MockEngine, MockEngineBusy, page_checksum
 from actors.serving.engines._mock._kvmem import KvPageMemory
+from actors.testing import wait_until
 from protocols.engine import BootstrapInfo, MemoryTag, PauseMode
 from protocols.errors import KVCorrupted, KVTransferError
 from protocols.pages import prompt_page_hashes
@@ -16,7 +17,6 @@ from tests.engines._mock_helpers import (
     DEVICE,
     collect,
     config,
-    eventually,
     memory_in_use,
     request,
     run,
@@ -199,7 +199,7 @@ async def test_failed_and_timed_out_transfers() -> None:
         # Nobody takes the pages: prefill releases them after the timeout.
         await collect(prefill.generate(request("p", PROMPT, bootstrap=BOOT)))
         assert prefill.statistics().ranks[0].owed == 1
-        await eventually(prefill.is_quiescent)
+        await wait_until(prefill.is_quiescent, timeout=5.0)
         assert prefill.statistics().used_blocks == 0
         assert decode.statistics().used_blocks == 0
 

@@ -14,6 +14,7 @@ import zmq
 from actors._zmq import AsyncSocket
 from actors.serving.engines import MockEngine
 from actors.serving.worker import KvEventSubscriber, KvMetricsSubscriber, replay_kv_events
+from actors.testing import wait_until
 from protocols.engine import MemoryTag, PauseMode
 from protocols.kv_events import (
     AllBlocksCleared,
@@ -24,7 +25,7 @@ from protocols.kv_events import (
     decode_kv_event_batch,
 )
 from protocols.pages import page_hash
-from tests.engines._mock_helpers import FAST, config, eventually, request, run
+from tests.engines._mock_helpers import FAST, config, request, run
 
 T = TypeVar("T")
 
@@ -232,7 +233,7 @@ async def test_metrics_report_the_scheduler_state() -> None:
                 streams.append(
                     engine.generate(request(f"r{i}", list(range(40)), dp_rank=1, max_tokens=500))
                 )
-                await eventually(lambda i=i: engine.phase_of(f"r{i}") == "decode")
+                await wait_until(lambda i=i: engine.phase_of(f"r{i}") == "decode", timeout=5.0)
             await engine.pause(PauseMode.IN_PLACE)
             expected = engine.metrics(1)
             latest: dict[int, KvMetrics] = {}

@@ -19,6 +19,7 @@ import pytest
 
 from actors.serving.engines._sglang import SGLangEngine, SGLangRequiresAsyncio
 from actors.serving.engines._sglang._signals import DeferredSignalHandlers
+from actors.testing import wait_until
 from protocols.engine import (
     BootstrapInfo,
     EngineOutput,
@@ -42,7 +43,6 @@ from tests.engines._sglang_fakes import (
     collect,
     request,
     running,
-    wait_for,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -206,7 +206,9 @@ async def test_abort_before_the_first_token(anyio_backend: str, fake: FakeSGLang
 
             tg.start_soon(consume)
             tm = fake.engines[0].tokenizer_manager
-            await wait_for(lambda: "held" in tm.rid_to_state and tm.rid_to_state["held"].dispatched)
+            await wait_until(
+                lambda: "held" in tm.rid_to_state and tm.rid_to_state["held"].dispatched, timeout=5
+            )
             await engine.abort("held")
         assert [o.finish_reason for o in results] == ["cancelled"]
         assert {"rid": "held"} in fake.args_of("TokenizerManager.abort_request")
@@ -217,7 +219,7 @@ async def test_abort_before_the_first_token(anyio_backend: str, fake: FakeSGLang
         async with anyio.create_task_group() as tg:
             results.clear()
             tg.start_soon(consume)
-            await wait_for(lambda: "held" in tm.rid_to_state)
+            await wait_until(lambda: "held" in tm.rid_to_state, timeout=5)
             await engine.abort("held")
         assert [o.finish_reason for o in results] == ["cancelled"]
         assert fake.lost_aborts == [] and fake.scheduler_aborts == ["held"] and not tm.rid_to_state
@@ -242,7 +244,9 @@ async def test_closing_the_stream_early_aborts_it(anyio_backend: str, fake: Fake
         with anyio.move_on_after(5) as scope:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(collect, engine.generate(request("c2")))
-                await wait_for(lambda: "c2" in tm.rid_to_state and tm.rid_to_state["c2"].dispatched)
+                await wait_until(
+                    lambda: "c2" in tm.rid_to_state and tm.rid_to_state["c2"].dispatched, timeout=5
+                )
                 tg.cancel_scope.cancel()
         assert not scope.cancelled_caught
         assert fake.scheduler_aborts == ["c1", "c2"] and engine.is_quiescent()
@@ -285,7 +289,9 @@ async def test_pause_modes(anyio_backend: str, fake: FakeSGLang) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
             tm = fake.engines[0].tokenizer_manager
-            await wait_for(lambda: "p" in tm.rid_to_state and tm.rid_to_state["p"].dispatched)
+            await wait_until(
+                lambda: "p" in tm.rid_to_state and tm.rid_to_state["p"].dispatched, timeout=5
+            )
             await engine.pause(PauseMode.ABORT)
         assert len(errors) == 1 and errors[0].migratable
         assert [a["obj"].mode for a in fake.args_of("TokenizerManager.pause_generation")] == [
@@ -407,8 +413,9 @@ async def test_cleanup_runs_exactly_once(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(consume)
-        await wait_for(
-            lambda: "inflight" in tm.rid_to_state and tm.rid_to_state["inflight"].dispatched
+        await wait_until(
+            lambda: "inflight" in tm.rid_to_state and tm.rid_to_state["inflight"].dispatched,
+            timeout=5,
         )
         tg.start_soon(engine.cleanup)
         tg.start_soon(engine.cleanup)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -61,11 +59,3 @@ async def read_until(stream: anyio.abc.SocketStream, marker: bytes) -> bytes:
     while marker not in data:
         data += await stream.receive()
     return data
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until ``predicate()`` holds (polling), failing after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await anyio.sleep(0.01)

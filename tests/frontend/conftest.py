@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from actors.serving.frontend import create_app, serve
-from tests.frontend._doubles import FakeBackend
+from actors.serving.testing import FakeBackend
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from actors.serving.frontend import create_app
-from tests.frontend._doubles import MODEL, FakeBackend
+from actors.serving.testing import MODEL, FakeBackend
 from tests.frontend.conftest import served
 
 # No 5xx, and every response matches the documented status codes, content types and shapes (the

@@ -10,13 +10,14 @@ import anyio
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from actors.serving.frontend import ByteTokenizer, HFTokenizer, create_app
 from actors.serving.frontend._streams import aclose_quietly
+from actors.serving.testing import ANSWER, CONTEXT, MODEL, FakeBackend
 from protocols.engine import EngineOutput, PreprocessedRequest
 from protocols.errors import NoWorkerAvailable
-from tests.frontend._doubles import ANSWER, CONTEXT, MODEL, FakeBackend
 from tests.frontend._hf import build_tokenizer_folder
 from tests.frontend._http import CHAT, COMPLETIONS, chat_body, chunks
 from tests.frontend.conftest import served
@@ -336,6 +337,35 @@ async def test_models(base_url: str) -> None:
     assert one.json()["id"] == MODEL
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+
+
+async def test_openapi_documents_the_generation_routes(base_url: str) -> None:
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        schema = (await client.get("/openapi.json")).json()
+    for path, model in ((CHAT, "ChatCompletionRequest"), (COMPLETIONS, "CompletionRequest")):
+        post = schema["paths"][path]["post"]
+        body = post["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert {"200", "400", "404", "503"} <= set(post["responses"])
+        assert "text/event-stream" in post["responses"]["200"]["content"]
+    assert "ChatMessage" in schema["components"]["schemas"]
+
+
+async def test_a_mounted_app_serves_the_same_api(backend: FakeBackend) -> None:
+    outer = FastAPI()
+    outer.mount("/api", create_app(backend, CollectorRegistry()))
+    async with served(outer) as url, httpx.AsyncClient(base_url=f"{url}/api") as client:
+        streamed = await client.post(CHAT, json=chat_body(stream=True))
+        unary = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi"})
+        invalid = await client.post(CHAT, json={"model": MODEL})
+        wrong = await client.get(CHAT)
+        models = await client.get("/v1/models")
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks(streamed.text))
+    assert content == ANSWER
+    assert unary.status_code == 200 and unary.json()["object"] == "text_completion"
+    assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "messages"
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert models.json()["data"][0]["id"] == MODEL
 
 
 async def test_health_and_live(base_url: str, backend: FakeBackend) -> None:

@@ -4,27 +4,39 @@ disconnects cancel the backend; the server keeps serving after bad input."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.types import Message
 
 from actors.serving.frontend import create_app
+from actors.serving.testing import CONTEXT, MODEL, FakeBackend
+from actors.testing import wait_until
 from protocols.errors import EngineFailure, NoWorkerAvailable, Overloaded, WorkerDraining
-from tests.frontend._doubles import CONTEXT, MODEL, FakeBackend
 from tests.frontend._http import (
     CHAT,
     COMPLETIONS,
     chat_body,
-    eventually,
     open_raw_stream,
     read_until,
     sse_events,
 )
 from tests.frontend.conftest import served
+
+JSON = {"content-type": "application/json"}
+_INVALID = {
+    "model": "",
+    "endpoint": CHAT,
+    "request_type": "",
+    "status": "error",
+    "error_type": "validation",
+}
 
 
 def _error(r: httpx.Response, status: int) -> dict[str, Any]:
@@ -263,10 +275,16 @@ async def test_openai_client_raises_on_a_mid_stream_error(
 
 async def test_oversized_body_is_413_before_it_is_parsed(backend: FakeBackend) -> None:
     app = create_app(backend, CollectorRegistry(), max_body_bytes=1024)
+
+    async def streamed() -> AsyncIterator[bytes]:  # no Content-Length: refused once past it
+        for _ in range(4):
+            yield b" " * 512
+
     async with served(app) as url, httpx.AsyncClient(base_url=url) as client:
-        r = await client.post(CHAT, json=chat_body("x" * 2000))
-        # Starlette's body limiter answers this one itself, in plain text.
-        assert r.status_code == 413
+        announced = await client.post(CHAT, json=chat_body("x" * 2000))
+        sent = await client.post(CHAT, content=streamed(), headers=JSON)
+        for r in (announced, sent):
+            assert _error(r, 413)["message"] == "Content Too Large"
         assert not backend.requests
         assert (await client.post(CHAT, json=chat_body())).status_code == 200
 
@@ -275,8 +293,11 @@ async def test_unknown_route_and_method_use_the_error_format(base_url: str) -> N
     async with httpx.AsyncClient(base_url=base_url) as client:
         missing = await client.get("/v1/nothing")
         wrong = await client.get(CHAT)
+        slash = await client.post(f"{CHAT}/", json=chat_body())
     assert _error(missing, 404)["type"] == "invalid_request_error"
     _error(wrong, 405)
+    assert wrong.headers["allow"] == "POST"
+    assert slash.status_code == 307 and slash.headers["location"].endswith(CHAT)
 
 
 # --- client disconnects ----------------------------------------------------------------------
@@ -284,7 +305,7 @@ async def test_unknown_route_and_method_use_the_error_format(base_url: str) -> N
 
 async def _wait_value(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> None:
     # The outcome is recorded just after the backend saw its cancel: poll briefly for it.
-    await eventually(lambda: registry.get_sample_value(name, labels) == 1)
+    await wait_until(lambda: registry.get_sample_value(name, labels) == 1)
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
@@ -336,39 +357,79 @@ async def test_server_serves_again_after_a_disconnect(base_url: str, backend: Fa
         assert (await client.post(CHAT, json=chat_body(stream=True))).status_code == 200
 
 
-_EDGE_BODIES: list[tuple[str, bytes, dict[str, str]]] = [
-    (CHAT, json.dumps(chat_body()).encode(), {"content-type": "application/json"}),
-    (CHAT, json.dumps(chat_body(stream=True)).encode(), {"content-type": "application/json"}),
-    (CHAT, json.dumps(chat_body()).encode(), {"content-type": "application/json; charset=utf-8"}),
-    (CHAT, json.dumps(chat_body()).encode(), {"content-type": "text/plain"}),
-    (CHAT, json.dumps(chat_body()).encode(), {"content-type": "application/vnd.x+json"}),
-    (CHAT, json.dumps(chat_body()).encode(), {}),
-    (CHAT, b"", {"content-type": "application/json"}),
-    (CHAT, b"[1, 2]", {"content-type": "application/json"}),
-    (CHAT, b'{"model": "mock-model", "messages": NaN}', {"content-type": "application/json"}),
-    (CHAT, json.dumps(chat_body(temperature="0.5")).encode(), {"content-type": "application/json"}),
-    (COMPLETIONS, b"{bad", {"content-type": "application/json"}),
-    (COMPLETIONS, b'{"model": "mock-model", "prompt": "hi", "max_tokens": 4}', {}),
-    (COMPLETIONS, json.dumps({"model": "mock-model", "prompt": "x" * 3000}).encode(), {}),
+_CHAT = json.dumps(chat_body()).encode()
+
+_NOT_AN_OBJECT = "model_attributes_type"
+
+# (path, body, headers, status, error code, error param): what the API answers for bodies at the
+# edges of the rules (content type, encoding, size, shape).
+_EDGE_BODIES: list[tuple[str, bytes, dict[str, str], int, str | None, str | None]] = [
+    (CHAT, _CHAT, JSON, 200, None, None),
+    (CHAT, json.dumps(chat_body(stream=True)).encode(), JSON, 200, None, None),
+    (CHAT, _CHAT, {"content-type": "application/json; charset=utf-8"}, 200, None, None),
+    (CHAT, _CHAT, {"content-type": "Application/JSON"}, 200, None, None),
+    (CHAT, _CHAT, {"content-type": "application/vnd.x+json"}, 200, None, None),
+    (CHAT, json.dumps(chat_body()).encode("utf-16"), JSON, 200, None, None),
+    (CHAT, _CHAT, {"content-type": "text/plain"}, 400, _NOT_AN_OBJECT, None),
+    (CHAT, _CHAT, {"content-type": "application/json, text/plain"}, 400, _NOT_AN_OBJECT, None),
+    (CHAT, _CHAT, {}, 400, _NOT_AN_OBJECT, None),
+    (CHAT, b"", JSON, 400, "missing", None),
+    (CHAT, b"[1, 2]", JSON, 400, _NOT_AN_OBJECT, None),
+    (CHAT, b'{"model": "mock-model", "messages": NaN}', JSON, 400, "list_type", "messages"),
+    (CHAT, json.dumps(chat_body(temperature="0.5")).encode(), JSON, 400, "float_type", None),
+    (CHAT, b'{"model": "\xff"}', JSON, 400, None, None),  # not UTF-8
+    (CHAT, b"[" * 1000 + b"]" * 1000, JSON, 400, None, None),  # too deep to parse
+    (COMPLETIONS, b"{bad", JSON, 400, "json_invalid", None),
+    (COMPLETIONS, b'{"model": "mock-model", "prompt": "hi"}', {}, 400, _NOT_AN_OBJECT, None),
+    (COMPLETIONS, json.dumps({"model": MODEL, "prompt": "x" * 3000}).encode(), {}, 413, None, None),
 ]
 
 
-async def test_direct_path_answers_exactly_as_fastapi(backend: FakeBackend) -> None:
-    """Generation requests that the direct path serves, and those it hands to FastAPI, get the
-    same answers as with FastAPI alone (status, type, body)."""
+async def test_bodies_at_the_edges_of_the_rules(backend: FakeBackend) -> None:
+    """A body counts as JSON when its content type names JSON (``application/json`` or
+    ``application/*+json``, any parameters, any case), in any JSON encoding; the size limit comes
+    first; anything else is refused in the error format, and the server keeps serving."""
+    app = create_app(backend, CollectorRegistry(), max_body_bytes=2048)
+    async with served(app) as url, httpx.AsyncClient(base_url=url) as client:
+        for path, body, headers, status, code, param in _EDGE_BODIES:
+            r = await client.post(path, content=body, headers=headers)
+            case = (path, body[:40], headers)
+            if status == 200:
+                assert r.status_code == 200, (case, r.text)
+                continue
+            error = _error(r, status)
+            assert error["type"] == "invalid_request_error", case
+            if code is not None:
+                assert error["code"] == code, (case, error)
+            if param is not None:
+                assert error["param"] == param, (case, error)
+        assert (await client.post(CHAT, json=chat_body())).status_code == 200
 
-    async def answers(direct: bool) -> list[tuple[int, str, str]]:
-        app = create_app(backend, CollectorRegistry(), max_body_bytes=2048)
-        if not direct:
-            app.fast_path = None  # type: ignore[attr-defined]
-        got = []
-        async with served(app) as url, httpx.AsyncClient(base_url=url) as client:
-            for path, body, headers in _EDGE_BODIES:
-                r = await client.post(path, content=body, headers=headers)
-                text = r.text
-                for field in ('"id":', '"created":'):  # per-request values
-                    text = "".join(part.split(",", 1)[-1] for part in text.split(field))
-                got.append((r.status_code, r.headers.get("content-type", ""), text))
-        return got
 
-    assert await answers(direct=True) == await answers(direct=False)
+async def test_a_client_gone_while_sending_gets_no_answer(
+    app: FastAPI, backend: FakeBackend, registry: CollectorRegistry
+) -> None:
+    messages: list[Message] = [
+        {"type": "http.request", "body": b'{"model": ', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return messages.pop(0)
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": CHAT,
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+    }
+    await app(scope, receive, send)
+    assert not sent and not messages
+    assert not backend.requests
+    # Not a bad request: nothing was counted.
+    assert registry.get_sample_value("actorserve_frontend_requests_total", _INVALID) is None

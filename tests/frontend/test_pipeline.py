@@ -73,6 +73,45 @@ def test_streamed_matching_equals_whole_text_matching(
     assert _feed(StopMatcher(stops), _split(text, cuts)) == expected
 
 
+@given(
+    st.text(alphabet="abab", max_size=30),
+    st.lists(st.text(alphabet="ab", min_size=1, max_size=6), min_size=1, max_size=4),
+    st.lists(st.integers(min_value=0, max_value=30), max_size=8),
+)
+def test_held_back_text_is_the_longest_tail_that_may_still_become_a_stop(
+    text: str, stops: list[str], cuts: list[int]
+) -> None:
+    matcher = StopMatcher(stops)
+    seen = sent = ""
+    for piece in _split(text, cuts):
+        out, found = matcher.feed(piece)
+        if found:
+            return
+        seen += piece
+        sent += out
+        longest = max(
+            (k for s in stops for k in range(1, len(s)) if seen.endswith(s[:k])), default=0
+        )
+        assert sent == seen[: len(seen) - longest]
+
+
+def test_long_stop_strings_cost_time_linear_in_the_output() -> None:
+    # Fifteen long stop strings that never match, and one whose first half the output keeps
+    # repeating, so a long tail stays held back: a per-output rescan of every prefix of every
+    # stop string would take minutes here (the test's watchdog), the automaton takes no time.
+    never = [f"{i:02d}" + "x" * 4000 for i in range(15)]
+    held = "ab" * 2000 + "!"
+    matcher = StopMatcher([*never, held])
+    sent = []
+    for _ in range(2000):
+        out, found = matcher.feed("ab")
+        assert not found
+        sent.append(out)
+    assert "".join(sent) == ""  # all 4000 characters may still be the held stop string
+    out, found = matcher.feed("!")
+    assert (out, found) == ("", True)
+
+
 def _choice(stop: list[str] | None = None, min_tokens: int = 0) -> Choice:
     tok = ByteTokenizer()
     return Choice(tok.detokenizer([]), prompt_tokens=7, stop=stop or [], min_tokens=min_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import httpx
 import pytest
@@ -10,7 +12,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from actors.serving.frontend import create_app, serve
-from tests.frontend._doubles import ANSWER, FakeBackend
+from actors.serving.testing import ANSWER, FakeBackend
 from tests.frontend._http import CHAT, chat_body, chunks, open_raw_stream, read_until
 
 
@@ -79,3 +81,62 @@ async def test_shutdown_cancels_streams_that_outlast_the_grace_period(
             with anyio.fail_after(10):
                 await backend.cancel_seen.wait()
     assert backend.cancelled == [backend.requests[0].rid]
+
+
+async def _closed_by_server(stream: anyio.abc.ByteStream) -> bool:
+    """Whether the server closes ``stream`` (rather than answering) within the guard."""
+    with anyio.fail_after(15):
+        try:
+            while await stream.receive():
+                return False  # an answer: not what a half-sent request gets
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            return True
+    return True
+
+
+def _server(app: FastAPI, header_timeout_s: float, max_connections: int) -> Any:
+    async def run(*, task_status: TaskStatus[int]) -> None:
+        await serve(
+            app,
+            "127.0.0.1",
+            0,
+            header_timeout_s=header_timeout_s,
+            keep_alive_timeout_s=header_timeout_s,
+            max_connections=max_connections,
+            task_status=task_status,
+        )
+
+    return run
+
+
+async def test_a_client_cannot_hold_the_server_with_silent_or_slow_connections(
+    app: FastAPI,
+) -> None:
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(_server(app, 0.5, 64))
+        silent = await anyio.connect_tcp("127.0.0.1", port)
+        slow = await anyio.connect_tcp("127.0.0.1", port)
+        await slow.send(b"GET /live HTTP/1.1\r\nhost: x\r\n")  # and the rest never comes
+        async with silent, slow:
+            assert await _closed_by_server(silent)
+            assert await _closed_by_server(slow)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            assert (await client.get("/live")).status_code == 200  # and it still serves
+        tg.cancel_scope.cancel()
+
+
+# uvicorn, the server on asyncio, caps connections; hypercorn (on trio) has no cap of its own,
+# and there the header deadline above is what frees idle sockets.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_connections_past_the_cap_are_closed_as_they_come(app: FastAPI) -> None:
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(_server(app, 60, 8))  # no deadline frees a socket meanwhile
+        held = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(8)]
+        over = await anyio.connect_tcp("127.0.0.1", port)
+        async with over:
+            assert await _closed_by_server(over)
+        for stream in held:
+            await stream.aclose()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            assert (await client.get("/live")).status_code == 200
+        tg.cancel_scope.cancel()

@@ -145,3 +145,9 @@ def test_hf_detokenizer_survives_bad_ids(hf: HFTokenizer) -> None:
 def test_non_fast_tokenizer_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="fast tokenizer"):
         HFTokenizer(object())
+
+
+def test_hf_tokenizer_never_makes_fewer_tokens_than_its_bound(hf: HFTokenizer) -> None:
+    text = "The quick brown fox jumps over the lazy dog. 日本語 " * 50 + "<|im_start|>" * 5
+    assert hf.max_token_chars >= len("<|im_start|>")
+    assert len(hf.encode(text)) >= len(text) / hf.max_token_chars

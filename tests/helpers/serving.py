@@ -3,7 +3,9 @@ unless a test asks for another backend)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -77,3 +79,15 @@ async def serving_tree(budgets: Budgets | None = None, **overrides: Any) -> Asyn
         tree = Tree(root, serving)
         await tree.wait_ready()
         yield tree
+
+
+def start_root(
+    port: int, *extra: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``actorserve run`` as a process of its own (mock engines, aggregated, on ``port``), its
+    output merged into one pipe; ``extra`` are more options."""
+    args = [sys.executable, "-m", "actors.serving", "run", "--backend", "mock"]
+    args += ["--mode", "aggregated", "--port", str(port), *extra]
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )

@@ -1,21 +1,20 @@
 """Test actors and helpers for the actor core and supervisor suites.
 
-:class:`Worker` is the port of OTP's ``supervisor_1`` test child: it can be told to crash (a real
-exception in a handler), to exit with a given reason, or to hang in a handler; its start can be
-made to fail or to return ``ignore`` through a shared :class:`StartControl`. Every start and stop
-goes into a :class:`Journal`, so tests assert start and termination order.
+:class:`Worker` is the port of OTP's ``supervisor_1`` test child: it can be asked to crash (a real
+exception in a handler) or to exit with a given reason; its start can be made to fail or to return
+``ignore`` through a shared :class:`StartControl`. Every start and stop goes into a
+:class:`Journal`, so tests assert start and termination order. :func:`crash` and :func:`exit_with`
+inject those faults into any actor (through :mod:`actors.testing`), then wait for its supervisor.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import anyio
 import attrs
 
-from actors import Actor, ActorRef, Down, ExitReason, Ignore, ReplyError
+from actors import Actor, ActorRef, Down, ExitReason, Ignore, ReplyError, testing
 from supervisors import ChildSpec, SupervisorRef
 
 
@@ -68,8 +67,8 @@ class Worker(Actor):
     """OTP's ``supervisor_1``: a child told what to do by its messages.
 
     ``"ping"`` → ``"pong"``; ``"crash"`` raises :class:`Boom`; ``("exit", reason)`` stops with
-    ``reason``; ``"hang"`` sleeps in the handler for ever; ``"me"`` answers ``id(self)`` (tells
-    incarnations apart); ``("refuse", text)`` answers with a :class:`Refused` reply error.
+    ``reason``; ``"me"`` answers ``id(self)`` (tells incarnations apart); ``("refuse", text)``
+    answers with a :class:`Refused` reply error.
     """
 
     def __init__(
@@ -113,8 +112,6 @@ class Worker(Actor):
             case ("exit", ExitReason() as reason):
                 self.stop(reason)
                 return None
-            case "hang":
-                await anyio.sleep_forever()
             case ("refuse", str(text)):
                 raise Refused(text)
         return await super().receive(message)
@@ -130,27 +127,14 @@ def worker_spec(
     return ChildSpec(child_id, lambda: Worker(child_id, journal, control), **spec)
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Let the other tasks run until ``predicate()`` holds (a generous guard, not a timing
-    assertion: it only turns a hang into a failure)."""
-    deadline = time.monotonic() + timeout
-    spins = 0
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition never became true")
-        spins += 1
-        await anyio.sleep(0 if spins < 100 else 0.001)
-
-
 async def crash(ref: ActorRef[Any], sup: SupervisorRef | None = None) -> Down:
-    """Crash ``ref``'s incarnation with a real exception in its handler; return its Down.
+    """Crash ``ref``'s incarnation with a :class:`Boom` raised in its message loop; return its
+    Down.
 
     With ``sup``, also wait until the supervisor has handled the exit (its mailbox is FIFO and
     the exit notice is queued before the Down fires).
     """
-    monitor = ref.monitor()
-    await ref.tell("crash")
-    down = await monitor.wait()
+    down = await testing.crash(ref, Boom(f"{ref.name} crashed"))
     if sup is not None:
         await sup.count_children()
     return down
@@ -160,18 +144,10 @@ async def exit_with(
     ref: ActorRef[Any], reason: ExitReason, sup: SupervisorRef | None = None
 ) -> Down:
     """Make ``ref`` exit by itself with ``reason``; return its Down (see :func:`crash`)."""
-    monitor = ref.monitor()
-    await ref.tell(("exit", reason))
-    down = await monitor.wait()
+    down = await testing.exit_with(ref, reason)
     if sup is not None:
         await sup.count_children()
     return down
-
-
-async def hang(ref: ActorRef[Any]) -> None:
-    """Get ``ref`` stuck in a handler (sleeping for ever): a graceful stop cannot reach it."""
-    await ref.tell("hang")
-    await wait_until(lambda: ref.statistics().mailbox_size == 0)  # popped: in the handler
 
 
 async def states(sup: SupervisorRef) -> dict[str, str]:

@@ -98,15 +98,6 @@ async def receive_in_child(
     )
 
 
-async def eventually(check: Any, timeout: float = 10.0) -> None:
-    """Wait until ``check()`` is true (polling: the state lives in another process)."""
-    with anyio.fail_after(timeout):
-        while True:
-            if await check():
-                return
-            await anyio.sleep(0.02)
-
-
 async def send_to_faulted_peer(room: Any, alloc: Any, ended: anyio.Event) -> None:
     """``room.send(alloc)`` to a peer the test faults (stops or kills): the send may fail with
     ``KVTransferError`` or finish first, a real race; either way ``ended`` is set."""

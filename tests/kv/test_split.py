@@ -23,13 +23,13 @@ from actors.serving.kv._peer import (
     fill_pattern,
     pattern_pages,
 )
+from actors.testing import wait_until
 from tests.kv.helpers import (
     CONFIG,
     HEARTBEAT,
     PAGE_BYTES,
     PEER_TIMEOUT,
     assert_peer_clean,
-    eventually,
     local_decode,
     local_prefill,
     peer,
@@ -168,7 +168,7 @@ async def test_split_write_aborted_or_decode_killed_mid_way(ipc_dir: str) -> Non
             async def reaped() -> bool:
                 return kv.statistics().peers == 0 and kv.agent.statistics().remote_agents == 0
 
-            await eventually(reaped)
+            await wait_until(reaped)
 
             # The threads survived it: the next decode gets a split WRITE, byte-exact.
             async with decode("c2") as proc:

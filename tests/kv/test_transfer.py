@@ -23,13 +23,13 @@ from actors.serving.kv._peer import (
     fill_pattern,
     pattern_pages,
 )
+from actors.testing import wait_until
 from protocols.errors import KVCorrupted, KVTransferError
 from tests.kv.helpers import (
     NUM_PAGES,
     PAGE_BYTES,
     PEER_TIMEOUT,
     assert_peer_clean,
-    eventually,
     local_decode,
     local_prefill,
     peer,
@@ -133,7 +133,7 @@ async def test_corrupted_page_and_cancelled_receive(ipc_dir: str) -> None:
                 async def requested() -> bool:
                     return bool((await peer_stats(proc))["kv"]["requested_rooms"] == 1)
 
-                await eventually(requested)
+                await wait_until(requested)
                 tg.cancel_scope.cancel()
             assert await kv.wait_idle(5.0)
             assert alloc.freed and kv.pool.statistics().pages_in_use == 0
@@ -200,7 +200,7 @@ async def test_prefill_killed_then_restarted_on_same_address(ipc_dir: str) -> No
                     async def requested() -> bool:
                         return bool((await peer_stats(proc))["kv"]["requested_rooms"] == 1)
 
-                    await eventually(requested)
+                    await wait_until(requested)
                     proc.kill()
                     # A bounded, typed, migratable failure: the heartbeat notices the death.
                     with anyio.fail_after(PEER_TIMEOUT * 4):
@@ -269,7 +269,7 @@ async def test_decode_killed_mid_transfer_prefill_frees_pages(ipc_dir: str) -> N
             async def reaped() -> bool:
                 return kv.statistics().peers == 0 and kv.agent.statistics().remote_agents == 0
 
-            await eventually(reaped)
+            await wait_until(reaped)
             assert kv.agent.statistics().xfers_live == 0
 
 
@@ -315,7 +315,7 @@ async def test_decode_restarted_on_same_worker_id_and_agent_name(ipc_dir: str) -
             async def gone() -> bool:  # the live one said Goodbye when it stopped
                 return kv.statistics().peers == 0 and kv.agent.statistics().remote_agents == 0
 
-            await eventually(gone)
+            await wait_until(gone)
             stats = kv.agent.statistics()
             assert stats.xfers_live == 0
             assert stats.registrations == 2  # the pool and the probe scratch
@@ -337,4 +337,4 @@ async def test_a_silent_prefill_fails_connect_fast_and_is_forgotten(ipc_dir: str
             stats = kv.statistics()
             return stats.connections == 0 and stats.prewarm_failures == 1
 
-        await eventually(forgotten)
+        await wait_until(forgotten)

@@ -4,10 +4,8 @@ installed; the scenarios run it on asyncio and trio)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -30,7 +28,7 @@ from actors.serving.root._lifecycle import (
 from actors.serving.root._root import wait_healthy
 from protocols import control
 from protocols.engine import MemoryTag
-from tests.helpers.serving import serving_tree
+from tests.helpers.serving import serving_tree, start_root
 from tests.serving.test_e2e import _stream_text
 
 BIG_WEIGHTS = {"weights_bytes": 96 << 20}
@@ -192,28 +190,8 @@ async def test_control_api_needs_the_token_and_reports_errors() -> None:
 
 
 def _start_root(port: int, *extra: str) -> subprocess.Popen[str]:
-    args = [
-        sys.executable,
-        "-m",
-        "actors.serving",
-        "run",
-        "--backend",
-        "mock",
-        "--mode",
-        "aggregated",
-        "--port",
-        str(port),
-        "--grace-period",
-        "0.3",
-        "--engine-arg",
-        'timing={"speedup": 1.0}',
-        "--engine-arg",
-        "num_blocks=2048",
-        "--control",
-        f"/tmp/actorserve-test-{os.getpid()}-{port}.ctl",
-        *extra,
-    ]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    engine = ["--engine-arg", 'timing={"speedup": 1.0}', "--engine-arg", "num_blocks=2048"]
+    return start_root(port, "--grace-period", "0.3", *engine, *extra)
 
 
 async def test_sigterm_under_load_drains_every_request_and_exits_0() -> None:

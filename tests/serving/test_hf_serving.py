@@ -29,6 +29,7 @@ from actors.serving.cli import app
 from actors.serving.engines._hf import HFEngine, HFEngineConfig, find_smollm2
 from actors.serving.engines._hf._model import load_model
 from actors.serving.frontend import HFTokenizer
+from actors.serving.requests import open_request
 from actors.telemetry import REGISTRY
 from protocols.engine import PreprocessedRequest, SamplingOptions, StopConditions
 from supervisors import SupervisorRef
@@ -101,11 +102,14 @@ async def _generate(tree: Tree, prompt: list[int], max_tokens: int, into: list[i
     its token ids appended to ``into`` as they come."""
     streams = current_registry().whereis(tree.serving.streams_name)
     assert streams is not None
-    stream = await SupervisorRef(streams).start_dynamic()
-    assert stream is not None
-    async with stream.stream(_request(tree, prompt, max_tokens)) as outputs:
+    serving = tree.serving
+    request = _request(tree, prompt, max_tokens)
+    outputs = open_request(SupervisorRef(streams), serving.table, serving.admission, request)
+    try:
         async for output in outputs:
             into.extend(output.token_ids)
+    finally:
+        outputs.close()
 
 
 async def _generate_all(tree: Tree, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -1,8 +1,9 @@
 """A request's start: its request stream is started with the request in its mailbox and routes
 from the routing view itself. A consumer that gives up before the stream took the request still
-ends it (its :class:`~actors.serving.requests._attempt.Ticket`), and the in-flight counts the router
-keeps come back to zero however requests end. Disaggregated, the client's first token is the
-prefill's (before any KV reached decode), and goes with the request when it migrates."""
+ends it (the stream sees its :class:`~actors.serving.RequestOutputs` closed), and the in-flight
+counts the routing view keeps come back to zero however requests end. Disaggregated, the
+client's first token is the prefill's (before any KV reached decode), and goes with the request
+when it migrates."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import pytest
 from actors import ReplyError, current_registry
 from actors.serving import ModelService
 from actors.serving.frontend import ModelInfo
-from actors.serving.requests._attempt import Begin, Ticket
+from actors.serving.requests import open_request
+from actors.serving.requests._outputs import NextAttempt
 from protocols import PreprocessedRequest, SamplingOptions, StopConditions
 from supervisors import SupervisorRef
 from tests.helpers.serving import Tree, serving_tree
@@ -60,11 +62,13 @@ async def _settled(tree: Tree) -> None:
 
 async def test_a_stream_whose_consumer_gave_up_before_it_ran_ends_at_once() -> None:
     async with serving_tree(mode="aggregated", decode_workers=1) as tree:
-        ticket = Ticket()
-        ticket.closed = True  # what a consumer's close() leaves before the stream has run
+        streams, admission = _streams(tree), tree.serving.admission
+        outputs = open_request(streams, tree.serving.table, admission, _request("gone"))
+        outputs.close()  # the consumer gives up before the stream has run
+        assert admission.inflight == 0
         with pytest.raises(ReplyError):
-            await _streams(tree).start_dynamic_ask(Begin(_request("gone"), ticket))
-        assert ticket.ref is not None  # it took the request, saw the ticket closed, ended
+            await streams.start_dynamic_ask(NextAttempt(outputs))
+        assert outputs.owner is not None  # it took the request, saw it closed, ended
         await _settled(tree)
         stats = await tree.engine_stats("decode-0")
         assert stats.prefill_tokens == 0  # never sent to the engine

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from actors import ActorNotRunning, VirtualClock
+from actors.testing import wait_until
 from supervisors import (
     Backoff,
     ChildAlreadyPresent,
@@ -23,7 +24,7 @@ from supervisors import (
     SupervisorFlags,
     open_supervisor,
 )
-from tests.helpers.supervision import Journal, crash, states, wait_until, worker_spec
+from tests.helpers.supervision import Journal, crash, states, worker_spec
 
 FLAGS = SupervisorFlags(intensity=100)
 SIMPLE = SupervisorFlags(Strategy.SIMPLE_ONE_FOR_ONE, intensity=100)

@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from actors import ActorRestarting, ExitReason, VirtualClock, WhileRestarting
+from actors.testing import wait_until
 from supervisors import (
     METRICS_REGISTRY,
     Backoff,
@@ -17,7 +18,7 @@ from supervisors import (
     SupervisorRef,
     open_supervisor,
 )
-from tests.helpers.supervision import Journal, StartControl, crash, states, wait_until, worker_spec
+from tests.helpers.supervision import Journal, StartControl, crash, states, worker_spec
 
 ESCALATED = ExitReason.shutdown("reached_max_restart_intensity")
 _names = itertools.count()

@@ -10,6 +10,7 @@ import anyio.lowlevel
 import pytest
 
 from actors import Actor, ActorRef, ExitReason, Monitor
+from actors.testing import hang, wait_until
 from supervisors import (
     ChildSpec,
     Restart,
@@ -19,7 +20,7 @@ from supervisors import (
     SupervisorRef,
     open_supervisor,
 )
-from tests.helpers.supervision import Boom, Journal, Worker, hang, wait_until, worker_spec
+from tests.helpers.supervision import Boom, Journal, Worker, worker_spec
 
 SIMPLE = SupervisorFlags(Strategy.SIMPLE_ONE_FOR_ONE, intensity=1000)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from typing import Any
 
 import anyio
@@ -14,9 +16,18 @@ from actors import ActorCrashed, current_registry
 from actors.process import ProcessOptions
 from actors.serving import RoutingTable
 from actors.serving.engines import MockEngineConfig, TimingModel
-from actors.serving.worker import HealthOptions, engine_name, worker_spec
+from actors.serving.worker import (
+    BACKENDS,
+    HealthOptions,
+    UnknownBackend,
+    engine_backend,
+    engine_name,
+    worker_spec,
+)
+from actors.serving.worker._faults import InjectedFaults
 from protocols import PreprocessedRequest, StopConditions, control
 from protocols.engine import MemoryTag, PauseMode
+from protocols.errors import EngineFailure
 from supervisors import SupervisorFlags, SupervisorRef, open_supervisor
 
 CONFIG = msgspec.msgpack.encode(
@@ -75,6 +86,9 @@ async def test_engine_actor_serves_the_contract_across_the_process_boundary() ->
         await engine.ask(control.ReleaseMemory((MemoryTag.WEIGHTS,)))
         stats = await engine.ask(control.GetStats())
         assert MemoryTag.WEIGHTS in stats.released
+        # The engine contract's statistics, read with no guessing: none is "unknown" (-1).
+        assert stats.kv_used_blocks == 0 and stats.engine_in_flight == 0
+        assert stats.prefill_tokens > 0 and stats.kv_received_tokens == 0
         await engine.ask(control.ResumeMemory((MemoryTag.WEIGHTS,)))
         assert await engine.ask(control.IsQuiescent()) is True
         assert await engine.ask(control.FlushCache()) is True
@@ -151,3 +165,30 @@ async def test_canary_judges_the_whole_stream() -> None:
         health = await worker.child("health")
         assert await health.ask("canary") is True
         assert await health.ask("failures") == 0
+
+
+def test_one_table_knows_the_backends_and_names_them_for_an_unknown_one() -> None:
+    assert set(BACKENDS) == {"mock", "hf", "sglang"}
+    assert engine_backend("sglang").kv_transfer is None  # it moves KV itself
+    with pytest.raises(UnknownBackend, match=r"'vllm' \(known: mock, hf, sglang\)"):
+        engine_backend("vllm")
+
+
+def test_the_backend_table_imports_no_backend_until_one_is_used() -> None:
+    heavy = ("torch", "transformers", "sglang")
+    code = (
+        "import sys, actors.serving, actors.serving.cli\n"
+        f"assert not [m for m in {heavy!r} if m in sys.modules]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_injected_faults_are_armed_only_while_one_is_left() -> None:
+    faults = InjectedFaults()
+    assert not faults.armed and not faults.take("generate")  # the flag is all a path reads
+    faults.add("generate", 2)
+    assert faults.armed and faults.take("generate") and faults.armed
+    with pytest.raises(EngineFailure, match="injected fault in generate"):
+        faults.check("generate")
+    assert not faults.armed
+    faults.check("generate")  # none left: no failure

@@ -59,7 +59,7 @@ from actors.serving.engines._mock._config import (
     TimingModel,
     offset_endpoint,
 )
-from actors.serving.engines._mock._engine import MockEngine, MockEngineBusy
+from actors.serving.engines._mock._engine import MockEngine
 from actors.serving.engines._mock._kvmem import (
     KvMemoryInfo,
     page_checksum,
@@ -71,6 +71,7 @@ from actors.serving.engines._mock._pool import BlockPoolStatistics
 from actors.serving.engines._mock._request import EngineStream
 from actors.serving.engines._mock._stats import MockEngineStatistics, RankStatistics
 from actors.serving.engines._mock._transfer import KvPages, Offer
+from actors.serving.errors import MockEngineBusy, ModelPackageMissing, SGLangRequiresAsyncio
 
 if TYPE_CHECKING:
     from actors.serving.engines._hf import (
@@ -80,7 +81,6 @@ if TYPE_CHECKING:
         KVBuffer,
         KVLayout,
         ModelFiles,
-        ModelPackageMissing,
         PrefilledKV,
         config_from_dict,
         decode_config,
@@ -93,7 +93,6 @@ if TYPE_CHECKING:
     from actors.serving.engines._sglang import (
         SGLangEngine,
         SGLangMetricsReader,
-        SGLangRequiresAsyncio,
     )
 
 # Backends with heavy or GPU-only dependencies load on first use: importing actorserve never
@@ -107,7 +106,6 @@ _LAZY = {
             "KVBuffer",
             "KVLayout",
             "ModelFiles",
-            "ModelPackageMissing",
             "PrefilledKV",
             "config_from_dict",
             "decode_config",
@@ -120,7 +118,6 @@ _LAZY = {
         "actors.serving.engines._hf",
     ),
     "SGLangEngine": "actors.serving.engines._sglang",
-    "SGLangRequiresAsyncio": "actors.serving.engines._sglang",
     "SGLangMetricsReader": "actors.serving.engines._sglang",
 }
 

@@ -10,7 +10,8 @@ from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
@@ -21,6 +22,7 @@ from protocols.errors import ModelNotFound, Overloaded, RequestError, StreamInco
 
 from ._backend import Backend, ModelInfo
 from ._chunks import DONE_FRAME, ChatRenderer, CompletionRenderer, Renderer, error_frame
+from ._door import Door, GenerationRoute
 from ._errors import (
     error_body,
     error_payload,
@@ -30,9 +32,7 @@ from ._errors import (
     internal_error_handler,
     internal_error_response,
     invalid,
-    validation_error_response,
 )
-from ._fastpath import DirectRoute, FastPath
 from ._mapping import build_request, chat_prompt, completion_prompt, guided_decoding
 from ._metrics import FrontendMetrics, RequestMetrics
 from ._openai_types import (
@@ -61,7 +61,7 @@ log = logging.getLogger("actorserve.frontend")
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-#: Request bodies above this are refused (413) before they are parsed.
+#: Request bodies above this are refused (413) before they are read.
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -110,7 +110,15 @@ def create_app(
     """
     frontend = _Frontend(backend, registry, max_inflight, retry_after_s, ping_interval_s)
     ops = Ops(backend, registry)
+    chat = GenerationRoute(CHAT_PATH, ChatCompletionRequest, frontend.chat_completions)
+    completions = GenerationRoute(COMPLETIONS_PATH, CompletionRequest, frontend.completions)
+    door = Door([chat, completions], max_body_bytes, frontend.metrics)
     app = _App(
+        door,
+        [
+            _documented(chat, ChatCompletionResponse),
+            _documented(completions, CompletionResponse),
+        ],
         title="actorserve",
         version="0.1.0",
         description="OpenAI-compatible API",
@@ -118,24 +126,7 @@ def create_app(
         # every request; our Prometheus metrics cover the requests.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    # The body limit on the routes that take a body, not app-wide too: one limiter per request
-    # instead of two nested ones.
-    app.add_api_route(
-        CHAT_PATH,
-        frontend.chat_completions,
-        methods=["POST"],
-        response_class=Response,
-        responses=_responses(ChatCompletionResponse),
-        max_body_size=max_body_bytes,
-    )
-    app.add_api_route(
-        COMPLETIONS_PATH,
-        frontend.completions,
-        methods=["POST"],
-        response_class=Response,
-        responses=_responses(CompletionResponse),
-        max_body_size=max_body_bytes,
-    )
+    app.router.routes.extend(door.entrances())
     app.add_api_route("/v1/models", ops.list_models, methods=["GET"], response_model=ModelList)
     app.add_api_route(
         "/v1/models/{model_id:path}",
@@ -153,37 +144,51 @@ def create_app(
     )
     app.add_api_route("/live", ops.live, methods=["GET"], response_class=Response)
     app.add_api_route("/metrics", ops.metrics, methods=["GET"], response_class=Response)
-    app.add_exception_handler(RequestValidationError, frontend.on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _on_http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(RequestError, frontend.on_request_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, internal_error_handler)
-    routes = {
-        CHAT_PATH: DirectRoute(ChatCompletionRequest, frontend.chat_completions),
-        COMPLETIONS_PATH: DirectRoute(CompletionRequest, frontend.completions),
-    }
-    app.fast_path = FastPath(app.full_path, routes, max_body_bytes)
     return app
 
 
-class _App(FastAPI):
-    """FastAPI, with well-formed generation requests taking a direct path (see
-    :mod:`._fastpath`)."""
+def _documented(route: GenerationRoute[Any], response_model: type[Any]) -> APIRoute:
+    """The OpenAPI entry of a generation route, from its endpoint and body model; a route object
+    that no router holds, so no request can reach it."""
+    return APIRoute(
+        route.path,
+        route.endpoint,
+        methods=["POST"],
+        response_class=Response,
+        responses=_responses(response_model),
+    )
 
-    fast_path: FastPath | None = None
+
+class _App(FastAPI):
+    """FastAPI, with the requests to a generation path handed to the door (see :mod:`._door`)
+    before any of FastAPI's layers."""
+
+    def __init__(self, door: Door, documented: list[APIRoute], **settings: Any) -> None:
+        super().__init__(**settings)
+        self.door = door
+        self.documented = documented
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        fast = self.fast_path
-        route = fast.route(scope) if fast is not None else None
+        route = self.door.route(scope)
         if route is None:
             await super().__call__(scope, receive, send)
         else:
-            assert fast is not None
-            scope["app"] = self
-            await fast.serve(route, scope, receive, send)
+            await self.door.serve(route, scope, receive, send)
 
-    async def full_path(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The request through FastAPI's middleware and routing."""
-        await super().__call__(scope, receive, send)
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's schema, with the door's routes in it."""
+        if not self.openapi_schema:
+            self.openapi_schema = get_openapi(
+                title=self.title,
+                version=self.version,
+                openapi_version=self.openapi_version,
+                description=self.description,
+                routes=[*self.documented, *self.routes],
+            )
+        return self.openapi_schema
 
 
 async def _on_http_exception(request: Request, exc: HTTPException) -> Response:
@@ -445,12 +450,6 @@ class _Frontend:
         log.error("request failed", exc_info=exc)
         self._finish(m, "error", "internal")
         return internal_error_response()
-
-    async def on_validation_error(self, request: Request, exc: RequestValidationError) -> Response:
-        path = request.url.path
-        endpoint = path if path in (CHAT_PATH, COMPLETIONS_PATH) else "other"
-        self.metrics.start(endpoint).done("error", "validation")
-        return validation_error_response(exc)
 
     async def on_request_error(self, request: Request, exc: RequestError) -> Response:
         return error_response(exc, retry_after_s=self.retry_after_s)

@@ -1,16 +1,18 @@
 """Errors in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``.
 
-Typed request errors (:mod:`protocols.errors`) keep their ``http_status``; FastAPI's validation
-errors (422 by default) become 400, like OpenAI's; 429 and 503 carry ``Retry-After``.
+Typed request errors (:mod:`protocols.errors`) keep their ``http_status``; a body that is not
+JSON or not valid for its model gets a 400, like OpenAI's; HTTP-level refusals (wrong method, body
+too large, unknown route) keep their status; 429 and 503 carry ``Retry-After``. Every refusal the
+frontend sends is rendered here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -35,10 +37,12 @@ __all__ = [
     "error_payload",
     "error_response",
     "error_type_label",
+    "http_error_response",
     "http_exception_response",
     "internal_error_handler",
     "internal_error_response",
     "invalid",
+    "json_error_response",
     "validation_error_response",
 ]
 
@@ -104,7 +108,7 @@ def error_response(exc: RequestError, *, retry_after_s: int = 1) -> Response:
 
 def error_type_label(exc: BaseException) -> str:
     """The ``error_type`` metric label, in the spirit of Dynamo's frontend error types."""
-    if isinstance(exc, (InvalidRequest, RequestValidationError)):
+    if isinstance(exc, InvalidRequest):
         return "validation"
     if isinstance(exc, ModelNotFound):
         return "not_found"
@@ -124,44 +128,47 @@ def error_type_label(exc: BaseException) -> str:
 
 
 def _param(loc: tuple[int | str, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or None
+    return ".".join(str(p) for p in loc) or None
 
 
-def validation_error_response(exc: RequestValidationError) -> Response:
-    """FastAPI's 422 as OpenAI's 400: the first problem, the field it concerns, and a count."""
-    errors: list[dict[str, Any]] = list(exc.errors())
-    if not errors:
-        return Response(
-            error_body(400, "invalid request", "invalid_request"),
-            status_code=400,
-            media_type="application/json",
-        )
+def json_error_response(detail: str) -> Response:
+    """400 for a body declared JSON that does not parse; ``detail`` says where it fails."""
+    return _bad_request(f"Invalid JSON body: {detail}", "json_invalid", None)
+
+
+def validation_error_response(errors: Sequence[Mapping[str, Any]]) -> Response:
+    """A body its model refused (pydantic's errors, the first one first) as OpenAI's 400: the
+    first problem, the field it concerns, and a count."""
     first = errors[0]
-    kind = str(first.get("type", "invalid_value"))
-    if kind == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "malformed JSON")
-        message, param = f"Invalid JSON body: {detail}", None
-    else:
-        param = _param(tuple(first.get("loc", ())))
-        msg = str(first.get("msg", "invalid value"))
-        message = f"{param}: {msg}" if param else msg
+    param = _param(tuple(first.get("loc", ())))
+    msg = str(first.get("msg", "invalid value"))
+    message = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
         message = f"{message} (and {len(errors) - 1} more problems)"
+    return _bad_request(message, str(first.get("type", "invalid_value")), param)
+
+
+def _bad_request(message: str, code: str, param: str | None) -> Response:
     return Response(
-        error_body(400, message, kind, param), status_code=400, media_type="application/json"
+        error_body(400, message, code, param), status_code=400, media_type="application/json"
+    )
+
+
+def http_error_response(
+    status: int, message: str, headers: Mapping[str, str] | None = None
+) -> Response:
+    """An HTTP-level refusal (unknown route, wrong method, a body too large or unreadable)."""
+    return Response(
+        error_body(status, message, None),
+        status_code=status,
+        headers=dict(headers or {}),
+        media_type="application/json",
     )
 
 
 def http_exception_response(exc: HTTPException) -> Response:
     """Starlette's own HTTP errors (unknown route, wrong method) in OpenAI's format."""
-    headers = dict(exc.headers or {})
-    return Response(
-        error_body(exc.status_code, str(exc.detail), None),
-        status_code=exc.status_code,
-        headers=headers,
-        media_type="application/json",
-    )
+    return http_error_response(exc.status_code, str(exc.detail), exc.headers)
 
 
 def internal_error_response() -> Response:

@@ -26,7 +26,14 @@ __all__ = ["build_request", "chat_prompt", "completion_prompt", "guided_decoding
 _THREAD_TOKENIZE_CHARS = 32_768
 
 
-async def _tokenize(fn: Callable[[], list[int]], size: int) -> list[int]:
+async def _tokenize(
+    fn: Callable[[], list[int]], size: int, info: ModelInfo, param: str
+) -> list[int]:
+    # A text can encode to no fewer tokens than this: past the context, refuse it before the
+    # tokenizer builds a list of ids as long as the text (a large prompt would pin memory).
+    at_least = -(-size // info.tokenizer.max_token_chars)
+    if at_least >= info.context_length:
+        raise context_exceeded(info.context_length, at_least, param, None, at_least=True)
     if size > _THREAD_TOKENIZE_CHARS:
         return await anyio.to_thread.run_sync(fn)
     return fn()
@@ -41,7 +48,9 @@ async def chat_prompt(info: ModelInfo, body: ChatCompletionRequest) -> list[int]
             entry["name"] = msg.name
         messages.append(entry)
     size = sum(len(m["content"]) for m in messages)
-    return await _tokenize(lambda: info.tokenizer.apply_chat_template(messages), size)
+    return await _tokenize(
+        lambda: info.tokenizer.apply_chat_template(messages), size, info, "messages"
+    )
 
 
 async def completion_prompt(info: ModelInfo, body: CompletionRequest) -> tuple[str, list[int]]:
@@ -53,9 +62,25 @@ async def completion_prompt(info: ModelInfo, body: CompletionRequest) -> tuple[s
         prompt = prompt[0]
     if isinstance(prompt, str):
         text = prompt
-        return text, await _tokenize(lambda: info.tokenizer.encode(text), len(text))
+        return text, await _tokenize(lambda: info.tokenizer.encode(text), len(text), info, "prompt")
     ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # list[int] once unwrapped
     return (info.tokenizer.decode(ids) if body.echo else ""), ids
+
+
+def context_exceeded(
+    ctx: int, n_prompt: int, param: str, max_tokens: int | None, *, at_least: bool = False
+) -> ContextLengthExceeded:
+    """OpenAI's 400 for a request longer than the context (``at_least``: counted from the
+    text's length before tokenising it)."""
+    wanted = "" if max_tokens is None else f" plus {max_tokens} in the completion"
+    many = f"at least {n_prompt}" if at_least else f"{n_prompt}"
+    exc = ContextLengthExceeded(
+        f"This model's maximum context length is {ctx} tokens. However, you requested "
+        f"{many} tokens in the {param}{wanted}. Please reduce the length of the "
+        f"{param} or completion."
+    )
+    setattr(exc, "param", param)  # noqa: B010
+    return exc
 
 
 def guided_decoding(fmt: ResponseFormat | None) -> dict[str, object] | None:
@@ -85,14 +110,7 @@ def build_request(
     if n_prompt == 0:
         raise invalid("the prompt is empty", param)
     if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
-        wanted = "" if max_tokens is None else f" plus {max_tokens} in the completion"
-        exc = ContextLengthExceeded(
-            f"This model's maximum context length is {ctx} tokens. However, you requested "
-            f"{n_prompt} tokens in the {param}{wanted}. Please reduce the length of the "
-            f"{param} or completion."
-        )
-        setattr(exc, "param", param)  # noqa: B010
-        raise exc
+        raise context_exceeded(ctx, n_prompt, param, max_tokens)
     if max_tokens is None:
         max_tokens = ctx - n_prompt
     if body.min_tokens is not None and body.min_tokens > max_tokens:

@@ -20,28 +20,51 @@ __all__ = ["Choice", "StopMatcher"]
 
 
 class StopMatcher:
-    """Finds stop strings across output boundaries, holding back possible prefixes."""
+    """Finds stop strings across output boundaries, holding back possible prefixes.
 
-    __slots__ = ("_held", "_stops")
+    Each stop string keeps a Knuth-Morris-Pratt state (how much of it the text so far ends
+    with), so every character is looked at a bounded number of times per stop string: the work
+    is linear in the output, whatever the stop strings' lengths. The text held back is the
+    longest tail that may still become a stop string.
+    """
+
+    __slots__ = ("_fail", "_held", "_states", "_stops")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in stops if s]
+        self._fail = [_prefix_function(s) for s in self._stops]
+        self._states = [0] * len(self._stops)
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """New text in; the text now safe to send out, and whether a stop string was found."""
         if not self._stops:
             return text, False
-        buf = self._held + text
+        offset = len(self._held)
         cut = -1
-        for stop in self._stops:
-            i = buf.find(stop)
-            if i != -1 and (cut == -1 or i < cut):
-                cut = i
+        states = self._states
+        for j, stop in enumerate(self._stops):
+            q = states[j]
+            if q == 0 and stop[0] not in text:
+                continue  # the usual case: nothing of this stop string anywhere near
+            fail, n = self._fail[j], len(stop)
+            for i, ch in enumerate(text):
+                while q and stop[q] != ch:
+                    q = fail[q - 1]
+                if stop[q] == ch:
+                    q += 1
+                    if q == n:
+                        start = offset + i + 1 - n
+                        if cut == -1 or start < cut:
+                            cut = start
+                        break
+            states[j] = q
+        buf = self._held + text
         if cut != -1:
             self._held = ""
+            self._states = [0] * len(self._stops)
             return buf[:cut], True
-        keep = self._partial_suffix(buf)
+        keep = max(states)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
@@ -50,15 +73,18 @@ class StopMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _partial_suffix(self, buf: str) -> int:
-        # The longest tail of buf that is a proper prefix of some stop string.
-        best = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+
+def _prefix_function(pattern: str) -> list[int]:
+    """KMP's failure table: for each prefix, the length of its longest proper border."""
+    table = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = table[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        table[i] = k
+    return table
 
 
 class Choice:

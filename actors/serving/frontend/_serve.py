@@ -2,10 +2,15 @@
 trio.
 
 Two servers because neither does both well: uvicorn runs on asyncio only, and hypercorn's
-pure-Python HTTP/1.1 (h11) cost more CPU per request (about 0.5 ms, measured) and per chunk
-(about 15 us) than all of the frontend's own work. Both get the same pre-bound socket and the
-same graceful shutdown: stop accepting, let in-flight requests finish for the grace period,
-then cancel them.
+pure-Python HTTP/1.1 (h11) costs more CPU per request and per chunk than all of the frontend's
+own work. Both get the same pre-bound socket and the same graceful shutdown: stop accepting, let
+in-flight requests finish for the grace period, then cancel them.
+
+Neither lets a client hold the server: a connection must send a request's headers within
+``header_timeout_s`` (hypercorn: its keep-alive timeout, which runs until a request's headers are
+in), an idle one is closed after ``keep_alive_timeout_s``, and on uvicorn connections past
+``max_connections`` are closed as they come, so idle sockets cannot use up the process's
+descriptors.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ import asyncio
 import contextlib
 import logging
 import math
+import resource
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from typing import cast
 
 import anyio
+import attrs
 from anyio.abc import TaskStatus
 from hypercorn.config import Config, Sockets
 from hypercorn.typing import ASGIFramework
@@ -28,6 +35,56 @@ from starlette.types import ASGIApp
 __all__ = ["serve"]
 
 log = logging.getLogger("actorserve.frontend.http")
+
+
+def default_max_connections() -> int:
+    """Half the descriptors the process may open: the rest stay for workers, KV and control."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, min(soft, 1 << 20) // 2)
+
+
+def _guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a deadline for each request's headers and a cap on
+    connections."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class Guarded(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                log.warning("HTTP connection refused: %d open", len(self.connections) - 1)
+                transport.abort()
+                return
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()  # the next request on a kept-alive connection has its own deadline
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            self.transport.abort()
+
+    return Guarded
 
 
 def _listen(host: str, port: int, backlog: int) -> socket.socket:
@@ -57,27 +114,26 @@ def _on_trio() -> bool:
     return sniffio.current_async_library() == "trio"
 
 
-def _hypercorn_config(graceful_timeout_s: float, keep_alive_timeout_s: float) -> Config:
+def _hypercorn_config(
+    graceful_timeout_s: float, keep_alive_timeout_s: float, header_timeout_s: float
+) -> Config:
     config = Config()
     config.graceful_timeout = graceful_timeout_s
-    config.keep_alive_timeout = keep_alive_timeout_s
+    # Hypercorn's idle timer runs from the connection's start until a request's headers are in,
+    # so the shorter of the two bounds both the headers and an idle connection.
+    config.keep_alive_timeout = min(keep_alive_timeout_s, header_timeout_s)
     config.accesslog = None  # an access log line per request costs more than the request path
     config.errorlog = log
     return config
 
 
-async def _hypercorn(
-    app: ASGIApp,
-    sock: socket.socket,
-    stop: anyio.Event,
-    graceful_timeout_s: float,
-    keep_alive_timeout_s: float,
-    backlog: int,
-) -> None:
+async def _hypercorn(app: ASGIApp, sock: socket.socket, stop: anyio.Event, limits: _Limits) -> None:
     from hypercorn.trio.run import worker_serve
 
-    config = _hypercorn_config(graceful_timeout_s, keep_alive_timeout_s)
-    config.backlog = backlog
+    config = _hypercorn_config(
+        limits.graceful_timeout_s, limits.keep_alive_timeout_s, limits.header_timeout_s
+    )
+    config.backlog = limits.backlog
     sockets = Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[])
     # Starlette's and hypercorn's ASGI type aliases describe the same callable differently.
     wrapped = wrap_app(cast(ASGIFramework, app), config.wsgi_max_body_size, "asgi")
@@ -86,14 +142,7 @@ async def _hypercorn(
     await worker_serve(wrapped, config, sockets=sockets, shutdown_trigger=stop.wait)
 
 
-async def _uvicorn(
-    app: ASGIApp,
-    sock: socket.socket,
-    stop: anyio.Event,
-    graceful_timeout_s: float,
-    keep_alive_timeout_s: float,
-    backlog: int,
-) -> None:
+async def _uvicorn(app: ASGIApp, sock: socket.socket, stop: anyio.Event, limits: _Limits) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -103,7 +152,7 @@ async def _uvicorn(
 
     config = uvicorn.Config(
         app,
-        http="httptools",
+        http=_guarded_protocol(limits.header_timeout_s, limits.max_connections),
         ws="none",
         lifespan="off",
         interface="asgi3",
@@ -111,10 +160,10 @@ async def _uvicorn(
         access_log=False,  # a log line per request costs more than the request path
         proxy_headers=False,  # no proxy is trusted: no per-request header rewriting
         server_header=False,
-        backlog=backlog,
+        backlog=limits.backlog,
         # uvicorn counts both in whole seconds.
-        timeout_keep_alive=math.ceil(keep_alive_timeout_s),
-        timeout_graceful_shutdown=math.ceil(graceful_timeout_s),
+        timeout_keep_alive=math.ceil(limits.keep_alive_timeout_s),
+        timeout_graceful_shutdown=math.ceil(limits.graceful_timeout_s),
     )
     server = Server(config)
 
@@ -132,7 +181,16 @@ async def _uvicorn(
         await asyncio.wait(set(server.server_state.tasks))
 
 
-Runner = Callable[[ASGIApp, socket.socket, anyio.Event, float, float, int], Awaitable[None]]
+@attrs.frozen
+class _Limits:
+    graceful_timeout_s: float
+    keep_alive_timeout_s: float
+    header_timeout_s: float
+    max_connections: int
+    backlog: int
+
+
+Runner = Callable[[ASGIApp, socket.socket, anyio.Event, _Limits], Awaitable[None]]
 
 
 async def serve(
@@ -142,6 +200,8 @@ async def serve(
     *,
     graceful_timeout_s: float = 5.0,
     keep_alive_timeout_s: float = 5.0,
+    header_timeout_s: float = 10.0,
+    max_connections: int | None = None,
     backlog: int = 1024,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -151,7 +211,15 @@ async def serve(
     ``port=0``), so ``await tg.start(serve, app)`` returns once connections are accepted.
     Cancellation stops accepting connections, lets in-flight requests finish for up to
     ``graceful_timeout_s``, then cancels what is left and returns (re-raising the cancellation).
+    ``max_connections`` defaults to :func:`default_max_connections`.
     """
+    limits = _Limits(
+        graceful_timeout_s,
+        keep_alive_timeout_s,
+        header_timeout_s,
+        default_max_connections() if max_connections is None else max_connections,
+        backlog,
+    )
     sock = _listen(host, port, backlog)
     with sock:
         bound_port: int = sock.getsockname()[1]
@@ -165,7 +233,7 @@ async def serve(
         async def run() -> None:
             try:
                 with shield:
-                    await runner(app, sock, stop, graceful_timeout_s, keep_alive_timeout_s, backlog)
+                    await runner(app, sock, stop, limits)
             finally:
                 stopped.set()
 

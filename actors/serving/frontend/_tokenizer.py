@@ -53,6 +53,13 @@ class Tokenizer(Protocol):
         """Ids that end a generation (sent to the engine as ``eos_token_ids``)."""
         ...
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token of an encoded text can stand for: a text of ``n``
+        characters encodes to at least ``n / max_token_chars`` tokens, which refuses a prompt
+        too long for the context before any tokenisation work."""
+        ...
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with BOS and friends when ``add_special_tokens``)."""
         ...
@@ -93,6 +100,10 @@ class ByteTokenizer:
     @property
     def eos_token_ids(self) -> list[int]:
         return [self.EOS]
+
+    @property
+    def max_token_chars(self) -> int:
+        return 1  # one token per UTF-8 byte: never fewer tokens than characters
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -215,6 +226,7 @@ class HFTokenizer:
             eos = tokenizer.eos_token_id
             eos_token_ids = [] if eos is None else [int(eos)]
         self._eos = list(eos_token_ids)
+        self._max_token_chars: int | None = None
 
     @classmethod
     def from_pretrained(
@@ -226,6 +238,15 @@ class HFTokenizer:
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
+
+    @property
+    def max_token_chars(self) -> int:
+        if self._max_token_chars is None:
+            # A vocabulary entry's length counts the bytes it stands for (byte-level BPE) or
+            # its characters plus a word marker (SentencePiece): never fewer than it covers.
+            vocab = self._tok.get_vocab()
+            self._max_token_chars = max((len(token) for token in vocab), default=1)
+        return self._max_token_chars
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         try:

@@ -53,7 +53,7 @@ class KVConfig:
     target's UCX progress, so this removes the announcement's latency (a ZMQ hop and a wake-up)
     from every transfer, at the price of a busy core while requests wait for prefill: worth
     it on a GPU host with cores to spare, not on a small shared CPU machine.
-    ``yield_cpu``: give the CPU away (``time.sleep(0)``, ~50-80 us) between polls while spinning.
+    ``yield_cpu``: give the CPU away (``time.sleep(0)``) between polls while spinning.
     On a small machine a pure spin starves the peer whose progress the WRITE needs; on a big
     host the yield only adds latency. ``None`` decides by core count (yield on 4 or fewer).
     ``prepared_dlists``: prepare the descriptor lists of the local pool and of each peer's pool

@@ -46,7 +46,7 @@ ExpectedChecksums = npt.NDArray[np.uint64] | Callable[[], npt.NDArray[np.uint64]
 
 # A receive drives NIXL itself unless someone (the poller, another receive) did within this
 # long: a drain's burst of receives on one event loop then polls about once per this much work,
-# not twice per receive (a poll, ``get_notifs``, costs ~30 us, an open's work ~0.2 ms).
+# not twice per receive (a poll, ``get_notifs``, costs a sizeable part of an open's work).
 _RECEIVE_PROGRESS_GAP_S = 0.0002
 
 

@@ -6,7 +6,7 @@ through
 handles) so tests can assert that nothing leaked.
 
 Agents are created with the progress thread OFF: on small CPU machines the default progress
-thread busy-spins (every transfer then takes ~12 ms) and on GPUs it makes transfers 30-50% slower.
+thread busy-spins (every transfer then waits on it) and on GPUs it makes transfers slower.
 The initiator therefore polls :meth:`NixlAgent.state` and the target polls
 :meth:`NixlAgent.get_notifs`; both calls drive UCX progress. An agent is not thread-safe (no
 listener thread, sync mode NONE): use it from one thread, the event loop's.

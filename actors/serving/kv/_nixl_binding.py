@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
+from actors.serving.errors import NixlError
 from protocols.kv import MemoryKind
 
 __all__ = [
@@ -32,15 +33,6 @@ XferState = Literal["DONE", "PROC", "ERR"]
 
 _CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 _api: ModuleType | None = None
-
-
-class NixlError(RuntimeError):
-    """A NIXL call failed; the message carries the binding's error.
-
-    The binding's exception is deliberately *not* chained: its traceback holds NIXL's frames,
-    which reference the agent, and would keep the UCX context (and its sockets) alive after
-    :meth:`~actors.serving.kv._nixl.NixlAgent.close` for as long as anyone holds the error.
-    """
 
 
 def call(what: str, fn: Any, *args: Any) -> Any:

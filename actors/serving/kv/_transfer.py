@@ -1,7 +1,7 @@
 """Moving pages: descriptor coalescing and splitting, and one WRITE driven to a terminal state.
 
-Each NIXL descriptor costs a few microseconds (2.5-4.3 us measured on H200s; a 32 KiB page then
-moves at 9 GB/s, a 2 MiB run at 267), so pages that are consecutive on *both* sides are merged
+Each NIXL descriptor costs a few microseconds (a small page alone moves far below copy speed), so
+pages that are consecutive on *both* sides are merged
 into one descriptor before the transfer is created: a request laid out contiguously in both pools
 is a single descriptor and moves at copy speed.
 
@@ -262,14 +262,12 @@ def yield_cpu() -> None:
 
     Completing a WRITE needs the target's UCX progress as well as ours. On a small machine a
     pure spin (``anyio.sleep(0)`` never leaves the process) starves the peer that must answer:
-    a 2 MiB WRITE measured 15 ms with a spinning target, 0.9 ms with one that calls
-    ``time.sleep(0)`` between polls (``sched_yield`` gave 8 ms). On a large host it costs about
-    a microsecond per poll.
+    ``time.sleep(0)`` between polls lets it run (``sched_yield`` does not, enough). On a large
+    host it costs next to nothing per poll.
 
     Pollers spinning together (a drain's WRITEs, one poller each) yield once per round between
-    them: each yield costs its caller the rest of its time slice on a busy machine (0.1-0.4 ms
-    measured), so a yield per poller per round delayed the posting of the next WRITEs by the
-    number in flight.
+    them: each yield costs its caller the rest of its time slice on a busy machine, so a yield
+    per poller per round delayed the posting of the next WRITEs by the number in flight.
     """
     _Spin.polls += 1
     if _Spin.polls >= _Spin.spinners:

@@ -1,13 +1,12 @@
-"""A request's attempts, and the iterator its consumer reads them through.
+"""One attempt of a request: one worker's reply stream and the rules each of its outputs goes
+through on its way to the client.
 
-The request-stream actor (``_request.py``) decides each attempt: it routes the request, opens
-the engine's reply stream and, when an attempt fails, migrates the request or gives up. The
-outputs of an attempt go from the engine's reply stream to the client in the consumer's own task
-(the frontend's), through the request stream's rules for each output (:meth:`Attempt.accept`),
-with no hop through the actor's task: a hop cost an event-loop turn, a channel and a generator
-chain per output. The consumer hands a failed attempt back to the actor (:class:`Retry`) and
-tells it when the request is over (:class:`Finish`); the request's :class:`Progress` is used by
-one side at a time, never by both.
+The request-stream actor (``_request.py``) opens each attempt; its consumer reads it in its own
+task (``_outputs.py``) through :meth:`Attempt.receive`, which applies the request's rules to
+every output: migration timing, the repeated token of a live migration, usage counted against
+the client's own prompt, and a draining worker's offer of the request's KV (:class:`Handover`,
+told to the actor at once as :class:`Prepare`). The request's :class:`Progress` is used by one
+side at a time, never by both.
 """
 
 from __future__ import annotations
@@ -19,29 +18,18 @@ from typing import Any
 import attrs
 import msgspec
 
-from actors import ActorError, ActorRef, Call, ReplyStream
+from actors import ActorError, ActorRef, ReplyStream
 from actors.serving.requests._metrics import LIVE_MIGRATIONS, MIGRATION_SECONDS
 from actors.serving.routing import Routed
 from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, Usage
 from protocols.errors import (
     KVTransferError,
-    RequestError,
     RequestTimeout,
     StreamIncomplete,
     StreamStalled,
 )
 
-__all__ = [
-    "Attempt",
-    "Begin",
-    "Finish",
-    "Handover",
-    "Prepare",
-    "Progress",
-    "RequestOutputs",
-    "Retry",
-    "Ticket",
-]
+__all__ = ["Attempt", "Handover", "Prepare", "Progress"]
 
 
 @attrs.frozen
@@ -186,134 +174,10 @@ class Attempt:
 class Prepare:
     """A draining worker offered the request's KV (a tell): it will hold the original prompt
     and ``generated``. The request stream may send the continuation to the next worker now,
-    for the migration the attempt's end then asks for (:class:`Retry`)."""
+    for the migration the attempt's end then asks for."""
 
     offer: Handover
     generated: list[int]
-
-
-class Ticket:
-    """The consumer's hold on its request stream: the stream's ref, set once the stream took
-    the request (from then on the consumer tells it :class:`Finish`), and ``closed``, set by a
-    consumer that gave up before (the stream then ends the request at once). Both are set in
-    the one event loop with no await in between, so a consumer that never learned the ref, its
-    start cancelled, still ends its stream."""
-
-    __slots__ = ("closed", "ref")
-
-    def __init__(self) -> None:
-        self.ref: ActorRef[Any] | None = None
-        self.closed = False
-
-
-@attrs.frozen
-class Begin(Call[Attempt]):
-    """Start serving ``request``: its first attempt."""
-
-    request: PreprocessedRequest
-    ticket: Ticket = attrs.field(factory=Ticket)
-
-
-@attrs.frozen
-class Retry(Call[Attempt]):
-    """The attempt failed with ``error``: the next one (a migration), or the terminal error."""
-
-    attempt: Attempt
-    error: BaseException
-
-
-@attrs.frozen
-class Finish:
-    """The request is over (a tell): ``cancelled`` if its consumer gave up before the end."""
-
-    cancelled: bool
-
-
-class RequestOutputs:
-    """The outputs of one request, served by a request-stream actor; each attempt's outputs read
-    in the caller's task. :meth:`aclose` ends the request (a client cancel if it had not ended):
-    always call it.
-
-    Subclasses may start the actor lazily (:meth:`begin`, awaited on the first output).
-    """
-
-    __slots__ = ("_attempt", "_closed", "_error", "_ref", "_ticket", "request")
-
-    def __init__(self, ref: ActorRef[Any] | None, request: PreprocessedRequest) -> None:
-        self._ref = ref
-        self.request = request
-        self._ticket = Ticket()
-        self._attempt: Attempt | None = None
-        self._error: BaseException | None = None  # found by next_nowait, for __anext__
-        self._closed = False
-
-    async def begin(self, message: Begin) -> Attempt:
-        """Ask the request-stream actor to serve the request (the one given, by default)."""
-        assert self._ref is not None
-        attempt: Attempt = await self._ref.ask(message, timeout=None)
-        return attempt
-
-    def __aiter__(self) -> RequestOutputs:
-        return self
-
-    async def __anext__(self) -> EngineOutput:
-        attempt = self._attempt
-        if attempt is None:
-            if self._closed:
-                raise StopAsyncIteration
-            attempt = self._attempt = await self.begin(Begin(self.request, self._ticket))
-        elif attempt.finished:
-            raise StopAsyncIteration
-        while True:
-            error, self._error = self._error, None
-            if error is None:
-                try:
-                    return await attempt.receive()
-                except (RequestError, ActorError) as exc:
-                    error = exc
-            ref = self._ticket.ref
-            assert ref is not None  # it took the request: it gave us the attempt
-            # The actor decides: the next attempt, or it raises the request's terminal error.
-            attempt = self._attempt = await ref.ask(Retry(attempt, error), timeout=None)
-
-    def next_nowait(self) -> EngineOutput | None:
-        """An output that is already here, or ``None`` (never waits, never raises: what ends an
-        attempt is for :meth:`__anext__` to handle)."""
-        attempt = self._attempt
-        # Nothing buffered (the usual case between outputs): no call into the attempt.
-        if attempt is None or self._error is not None or not attempt.outputs.buffered:
-            return None
-        try:
-            return attempt.receive_nowait()
-        except (RequestError, ActorError) as exc:
-            self._error = exc
-            return None
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """:meth:`aclose` without waiting (it never needs to)."""
-        if self._closed:
-            return
-        self._closed = True
-        attempt = self._attempt
-        finished = attempt is not None and attempt.finished
-        if attempt is not None and not finished:
-            attempt.outputs.close()  # abort the engine request at once
-        ticket = self._ticket
-        ref = ticket.ref or self._ref
-        if ref is None:
-            ticket.closed = True  # not taken yet (or never will be): it ends it on taking it
-            return
-        try:
-            ref.tell_nowait(Finish(cancelled=not finished))
-        except ActorError:
-            pass  # it ended already (a terminal error stops it)
 
 
 def _drop_repeated(output: EngineOutput, generated: list[int]) -> EngineOutput:

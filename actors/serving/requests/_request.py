@@ -10,13 +10,13 @@ on from the newest token with no prefill (live migration; its first output repea
 which is dropped), and if that fails before its first output, the same migration falls back to
 token replay. An offer that says how far the KV goes (``handover_tokens``: a drain offers as it
 begins, a step before the error) has its continuation sent to the next worker at once, so that
-worker is ready when the error comes (:class:`~actors.serving.requests._attempt.Prepare`). A client
-cancel aborts the engine request and is never migrated. Each output must arrive within the
-stall timeout and the whole request within its deadline, so no request hangs after a worker was
-chosen.
+worker is ready when the error comes (:class:`Prepare`). A client cancel aborts the engine
+request and is never migrated. Each output must arrive within the stall timeout and the whole
+request within its deadline, so no request hangs after a worker was chosen.
 
 The actor decides each attempt (route, migrate, hand over, give up); the outputs of an attempt
-go to the client in the client's own task (see ``_attempt.py``), not through this actor's.
+go to the client in the client's own task (``_outputs.py``, ``_attempt.py``), not through this
+actor's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import secrets
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -33,16 +32,7 @@ import msgspec
 import structlog
 
 from actors import Actor, ActorError, ReplyError, ReplyStream
-from actors.serving.requests._attempt import (
-    Attempt,
-    Begin,
-    Finish,
-    Handover,
-    Prepare,
-    Progress,
-    RequestOutputs,
-    Retry,
-)
+from actors.serving.requests._attempt import Attempt, Handover, Prepare, Progress
 from actors.serving.requests._continuation import continuation, refuse_migration
 from actors.serving.requests._metrics import (
     CANCELLATIONS,
@@ -52,6 +42,7 @@ from actors.serving.requests._metrics import (
     MIGRATION_SECONDS,
     MIGRATIONS,
 )
+from actors.serving.requests._outputs import Finish, NextAttempt, RequestOutputs
 from actors.serving.requests._prefill import Prefill, PrefillFirstAttempt
 from actors.serving.routing import Policy, Role, Routed, RoutingTable
 from protocols import control
@@ -77,19 +68,20 @@ class StreamOptions:
     migration_limit: int = 3
     stall_timeout: float = 30.0  # longest gap between two outputs
     request_timeout: float = 600.0  # the whole request
-    router: Policy = "kv_aware"  # how workers are picked (the router's policy)
+    router: Policy = "kv_aware"  # how workers are picked (the --router policy)
     # Outputs an engine may send ahead of the client (its credit window). The root returns
-    # credit per half window, a send that also wakes the engine's process (tens of us of the
-    # root's CPU each, on a 2-core VM): with 32, one per 16 outputs instead of per 8.
+    # credit per half window, a send that also wakes the engine's process: with 32, one per
+    # 16 outputs instead of per 8.
     buffer: int = 32
 
 
 class RequestStream(Actor):
-    """One per request, a temporary child of the model's ``streams`` supervisor.
+    """One per request, a temporary child of the model's ``streams`` supervisor, started with
+    the request's first :class:`NextAttempt` in its mailbox.
 
-    Its consumer reads the request through :class:`~actors.serving.RequestOutputs` (asks
-    :class:`Begin`, then :class:`Retry` per failed attempt, tells :class:`Finish`); a stream
-    request (``ref.stream(request)``) does the same in this actor's own stream task.
+    Its consumer reads the request through :class:`~actors.serving.RequestOutputs` (it asks
+    :class:`NextAttempt` for the first attempt and after each failed one, and tells
+    :class:`Finish`); a draining worker's offer comes as :class:`Prepare`.
     """
 
     reply_errors = (RequestError,)
@@ -98,7 +90,7 @@ class RequestStream(Actor):
         self.table = table
         self.options = options
         self._progress: Progress | None = None
-        self._attempt: Attempt | None = None  # the one being read: its router slot is ours
+        self._attempt: Attempt | None = None  # the one being read: its routing slot is ours
         # The continuation a draining worker's offer was sent on ahead (see Prepare), with
         # that offer, until the attempt that made it ends.
         self._prepared: tuple[Handover, Attempt] | None = None
@@ -108,18 +100,11 @@ class RequestStream(Actor):
 
     async def receive(self, message: Any) -> Any:
         match message:
-            case Begin(request=request, ticket=ticket):
-                if self._progress is not None:
-                    raise ReplyError("a request stream serves one request")
-                ticket.ref = self.ref  # from now on its consumer tells us when it gives up
-                if ticket.closed:  # it gave up before we ran
-                    self._finish(cancelled=True)
-                    raise ReplyError("the request was cancelled before it started")
-                deadline = time.monotonic() + self.options.request_timeout
-                self._progress = Progress(request, deadline)
+            case NextAttempt(failed=None, outputs=outputs):
+                self._own(outputs)
                 return await self._next(None, None)
-            case Retry(attempt=attempt, error=error):
-                return await self._next(attempt, error)
+            case NextAttempt(failed=failed, error=error):
+                return await self._next(failed, error)
             case Finish(cancelled=cancelled):
                 self._finish(cancelled)
                 return None
@@ -129,15 +114,16 @@ class RequestStream(Actor):
             case _:
                 return await super().receive(message)
 
-    async def receive_stream(self, message: Any) -> AsyncIterator[Any]:
-        if not isinstance(message, PreprocessedRequest):
-            raise TypeError(f"expected a PreprocessedRequest, got {type(message).__name__}")
-        outputs = RequestOutputs(self.ref, message)
-        try:
-            async for output in outputs:
-                yield output
-        finally:
-            await outputs.aclose()
+    def _own(self, outputs: RequestOutputs) -> None:
+        """Take the request ``outputs`` reads (the first message: it started this actor)."""
+        if self._progress is not None:
+            raise ReplyError("a request stream serves one request")
+        outputs.owner = self.ref  # from now on its consumer tells us when it gives up
+        if outputs.closed:  # it gave up before we ran
+            self._finish(cancelled=True)
+            raise ReplyError("the request was cancelled before it started")
+        deadline = time.monotonic() + self.options.request_timeout
+        self._progress = Progress(outputs.request, deadline)
 
     def _finish(self, cancelled: bool) -> None:
         """The request is over: free what it holds, then stop."""
@@ -351,8 +337,8 @@ class RequestStream(Actor):
         return routed, request, None
 
     def _take(self, role: Role, request: PreprocessedRequest, exclude: tuple[str, ...]) -> Routed:
-        """Route here, from the routing view (no hop to the router actor: the view lives on this
-        event loop, and the in-flight count is the router's own, see ``RoutingTable.take``)."""
+        """Route here, from the routing view (it lives on this event loop: no hop to another
+        actor; ``RoutingTable.take`` counts the request in flight there)."""
         entry = self.table.take(role, self.options.router, request.token_ids, exclude)
         return Routed(entry.id, entry.engine, entry.capacity.bootstrap)
 

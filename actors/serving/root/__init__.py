@@ -7,7 +7,7 @@ token-protected HTTP control API.
 """
 
 from actors.serving.root._config import DEFAULT_MODEL_NAMES, ServeConfig, load_config
-from actors.serving.root._control import ControlServer, default_control_path, request_tree
+from actors.serving.root._control import ControlServer, find_control_socket, request_tree
 from actors.serving.root._control_api import ControlApi, control_app, load_token
 from actors.serving.root._lifecycle import (
     Budgets,
@@ -20,6 +20,7 @@ from actors.serving.root._lifecycle import (
     WorkerStates,
 )
 from actors.serving.root._root import RootOptions, run_root, serving_children, wait_healthy
+from actors.serving.root._rundir import RunDir, RunDirError, token_file_of_this_root
 from actors.serving.root._service import ModelService
 from actors.serving.root._tree import Frontend, Serving, build_tree
 
@@ -36,17 +37,20 @@ __all__ = [
     "Release",
     "Resume",
     "RootOptions",
+    "RunDir",
+    "RunDirError",
     "ServeConfig",
     "Serving",
     "UndrainWorker",
     "WorkerStates",
     "build_tree",
     "control_app",
-    "default_control_path",
+    "find_control_socket",
     "load_config",
     "load_token",
     "request_tree",
     "run_root",
     "serving_children",
+    "token_file_of_this_root",
     "wait_healthy",
 ]

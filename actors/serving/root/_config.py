@@ -9,9 +9,11 @@ from typing import Any, Literal
 import attrs
 import cattrs
 
+from actors.serving.worker import BACKENDS, BackendName, engine_backend
+
 __all__ = ["DEFAULT_MODEL_NAMES", "ServeConfig", "load_config"]
 
-DEFAULT_MODEL_NAMES = {"mock": "mock", "hf": "smollm2-135m-instruct"}
+DEFAULT_MODEL_NAMES = {name: b.default_model for name, b in BACKENDS.items() if not b.model_args}
 """The served model name when the config gives none (SGLang: its ``served_model_name`` or
 ``model_path`` server argument)."""
 
@@ -29,7 +31,7 @@ class ServeConfig:
     """
 
     model: str = ""
-    backend: Literal["mock", "hf", "sglang"] = "hf"
+    backend: BackendName = "hf"
     mode: Literal["aggregated", "disaggregated"] = "disaggregated"
     prefill_workers: int = 1
     decode_workers: int = 2
@@ -45,6 +47,9 @@ class ServeConfig:
     health_idle_after: float = 10.0
     health_timeout: float = 3.0  # for a whole canary stream
     health_failures: int = 3  # consecutive failed canaries before the worker is failed
+    # A worker that escalates twice within a minute is left down this long (doubling while it
+    # keeps failing, up to 24 times as long) instead of restarting its pool.
+    quarantine_cooldown: float = 5.0
     tokenizer: str | None = None  # a local tokenizer folder; the mock uses a byte tokenizer
 
     def __attrs_post_init__(self) -> None:
@@ -57,12 +62,11 @@ class ServeConfig:
             )
         if self.migration_limit < 0:
             raise ValueError("migration_limit must be >= 0")
+        if self.quarantine_cooldown < 0:
+            raise ValueError("quarantine_cooldown must be >= 0")
 
     def _default_model(self) -> str:
-        if self.backend == "sglang":
-            args = self.engine_args
-            return str(args.get("served_model_name") or args.get("model_path") or "default")
-        return DEFAULT_MODEL_NAMES[self.backend]
+        return engine_backend(self.backend).served_model(self.engine_args)
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)

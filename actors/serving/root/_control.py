@@ -1,30 +1,64 @@
 """The root's local control socket: ``actorserve tree`` asks a running root for its tree.
 
-A ZMQ REP socket on an ``ipc://`` path owned by the root (never a network address); requests and
-replies are msgpack.
+A Unix stream socket in the root's private run directory (never a network address), mode 0600;
+one msgpack request and one msgpack reply per connection, each behind a 4-byte length. The accept
+loop is ours so that running out of descriptors (a flood of HTTP connections, say) pauses it for
+a moment instead of ending it: a listener that aborts on EMFILE would take the root with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import tempfile
+import struct
 from typing import Any
 
 import anyio
+import anyio.abc
 import attrs
 import msgspec
-import zmq
+import structlog
 
 from actors import Actor
-from actors.lowlevel import AsyncSocket
+from actors.serving.root._rundir import RunDirError, live_control_sockets
 from supervisors import SupervisorRef, TreeNode, snapshot_tree
 
-__all__ = ["ControlServer", "default_control_path", "request_tree"]
+__all__ = ["ControlServer", "find_control_socket", "request_tree"]
+
+_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+_MAX_MESSAGE = 1 << 20
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_log = structlog.get_logger("actorserve.control")
 
 
-def default_control_path() -> str:
-    return os.path.join(tempfile.gettempdir(), f"actorserve-{os.getuid()}.ctl")
+def find_control_socket() -> str:
+    """The control socket of this user's one running root."""
+    sockets = live_control_sockets()
+    if not sockets:
+        raise RunDirError("no running root of this user (start one with `actorserve run`)")
+    if len(sockets) > 1:
+        named = ", ".join(str(s) for s in sockets)
+        raise RunDirError(f"several roots are running; name one with --control: {named}")
+    return str(sockets[0])
+
+
+async def _send(stream: anyio.abc.ByteStream, message: Any) -> None:
+    data = msgspec.msgpack.encode(message)
+    await stream.send(struct.pack(">I", len(data)) + data)
+
+
+async def _receive(stream: anyio.abc.ByteReceiveStream) -> Any:
+    buffer = b""
+    size: int | None = None
+    while size is None or len(buffer) < 4 + size:
+        chunk = await stream.receive()
+        buffer += chunk
+        if size is None and len(buffer) >= 4:
+            size = struct.unpack(">I", buffer[:4])[0]
+            if size > _MAX_MESSAGE:
+                raise ValueError(f"control message of {size} bytes")
+    return msgspec.msgpack.decode(buffer[4 : 4 + size])
 
 
 class ControlServer(Actor):
@@ -35,38 +69,65 @@ class ControlServer(Actor):
         self.path = path
 
     async def started(self) -> None:
-        self.socket = AsyncSocket.create(zmq.REP)
-        self.socket.bind(f"ipc://{self.path}")
-        self.start_soon(self._serve)
+        if len(os.fsencode(self.path)) > _MAX_SOCKET_PATH:
+            raise RunDirError(f"{self.path}: too long for a Unix socket (name a shorter --control)")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a socket file left by a root of a reused pid
+        self.listener = await anyio.create_unix_listener(self.path, mode=0o600)
+        self.start_soon(self._accept)
 
     async def stopping(self, reason: Any) -> None:
-        self.socket.close()
+        await self.listener.aclose()
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # ZMQ leaves the ipc file of a closed socket behind
+            os.unlink(self.path)
 
-    async def _serve(self) -> None:
-        try:
+    async def _accept(self) -> None:
+        starved = False  # one warning per stretch without descriptors, not one per retry
+        async with anyio.create_task_group() as tg:
             while True:
-                request = msgspec.msgpack.decode((await self.socket.recv_multipart())[0])
-                if isinstance(request, dict) and request.get("op") == "tree":
-                    reply: Any = attrs.asdict(await snapshot_tree(self.root))
-                else:
-                    reply = {"error": f"unknown request {request!r}"}
-                await self.socket.send_multipart([msgspec.msgpack.encode(reply)])
-        finally:
-            self.socket.close()
+                try:
+                    stream = await self.listener.accept()
+                except (OSError, anyio.BrokenResourceError) as exc:
+                    # anyio reports a failed accept as BrokenResourceError from the OSError.
+                    cause = exc if isinstance(exc, OSError) else exc.__cause__
+                    if not isinstance(cause, OSError) or cause.errno not in _OUT_OF_DESCRIPTORS:
+                        raise
+                    if not starved:
+                        _log.warning("control socket: out of descriptors, pausing accepts")
+                        starved = True
+                    await anyio.sleep(0.1)
+                    continue
+                if starved:
+                    _log.warning("control socket: accepting again")
+                    starved = False
+                tg.start_soon(self._answer, stream)
+
+    async def _answer(self, stream: anyio.abc.ByteStream) -> None:
+        async with stream:
+            try:
+                with anyio.fail_after(10):
+                    request = await _receive(stream)
+                    if isinstance(request, dict) and request.get("op") == "tree":
+                        reply: Any = attrs.asdict(await snapshot_tree(self.root))
+                    else:
+                        reply = {"error": f"unknown request {request!r}"}
+                    await _send(stream, reply)
+            except (
+                TimeoutError,
+                ValueError,
+                msgspec.DecodeError,
+                anyio.EndOfStream,
+                anyio.BrokenResourceError,
+            ) as exc:
+                _log.info("control socket: request dropped", reason=repr(exc))
 
 
 async def request_tree(path: str, timeout: float = 5.0) -> TreeNode:
     """The live tree of the root listening on ``path``."""
-    sock = AsyncSocket.create(zmq.REQ)
-    try:
-        sock.connect(f"ipc://{path}")
-        with anyio.fail_after(timeout):
-            await sock.send_multipart([msgspec.msgpack.encode({"op": "tree"})])
-            data = msgspec.msgpack.decode((await sock.recv_multipart())[0])
-    finally:
-        sock.close()
+    with anyio.fail_after(timeout):
+        async with await anyio.connect_unix(path) as stream:
+            await _send(stream, {"op": "tree"})
+            data = await _receive(stream)
     if "error" in data:
         raise RuntimeError(data["error"])
     return _node(data)

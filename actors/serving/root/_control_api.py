@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hmac
 import os
-import secrets
-import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -32,21 +30,15 @@ __all__ = ["ControlApi", "control_app", "load_token"]
 TOKEN_ENV = "ACTORSERVE_CONTROL_TOKEN"
 
 
-def load_token(path: str | None) -> tuple[str, str | None]:
-    """The token: from ``path``, else ``$ACTORSERVE_CONTROL_TOKEN``, else a fresh one written to a
-    private file (its path is returned so the operator can read it)."""
+def load_token(path: str | None) -> str | None:
+    """The operator's token: from ``path``, else ``$ACTORSERVE_CONTROL_TOKEN``; ``None`` lets the
+    root make a fresh one in its private run directory."""
     if path:
-        return Path(path).read_text().strip(), None
-    env = os.environ.get(TOKEN_ENV)
-    if env:
-        return env, None
-    token = secrets.token_urlsafe(24)
-    where = (
-        Path(os.environ.get("XDG_RUNTIME_DIR", "/tmp")) / f"actorserve-{os.getuid()}-control.token"
-    )
-    where.write_text(token + "\n")
-    where.chmod(stat.S_IRUSR | stat.S_IWUSR)
-    return token, str(where)
+        token = Path(path).read_text().strip()
+        if not token:
+            raise ValueError(f"{path} holds no token")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -60,10 +52,10 @@ def control_app(lifecycle: ActorRef[Any], token: str, shutdown: Callable[[], Non
         handler: Callable[[dict[str, Any]], Awaitable[Any]],
     ) -> Callable[[Request], Awaitable[JSONResponse]]:
         async def endpoint(request: Request) -> JSONResponse:
-            given = request.headers.get("authorization", "")
-            if not given.startswith("Bearer "):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not given:  # the scheme is case-insensitive
                 return _error(401, "missing bearer token")
-            if not hmac.compare_digest(given.removeprefix("Bearer ").encode(), token.encode()):
+            if not hmac.compare_digest(given.strip().encode(), token.encode()):
                 return _error(403, "wrong token")
             body: Any = {}
             if request.method == "POST" and await request.body():

@@ -21,7 +21,8 @@ import attrs
 import structlog
 from prometheus_client import Counter, Gauge
 
-from actors import Actor, ActorError, ActorRef, ReplyError
+from actors import Actor, ActorError, ActorRef
+from actors.serving.errors import LifecycleError
 from actors.telemetry import REGISTRY
 from protocols import control
 from protocols.engine import DEFAULT_RELEASE_TAGS, MemoryTag, PauseMode
@@ -66,10 +67,6 @@ class Budgets:
     transfers: float = 30.0  # a prefill's owed KV transfers
     cleanup: float = 30.0  # engines clean up, the tree stops
     release_grace: float = 0.0  # unregister -> pause for a memory release
-
-
-class LifecycleError(ReplyError):
-    """A lifecycle operation failed (after rolling back where it applies)."""
 
 
 @attrs.frozen

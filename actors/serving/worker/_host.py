@@ -1,4 +1,4 @@
-"""The engine actor's body: owns one engine (mock, hf or sglang) and serves the contract.
+"""The engine actor's body: owns one engine (any backend of the table) and serves the contract.
 
 It runs inside the engine's own OS process (a process actor), so a CUDA fault or an OOM kill
 takes down only this process. It is the only caller of the engine's ``cleanup``.
@@ -13,54 +13,38 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import msgspec
 
 from actors import Actor, ExitReason, ReplyError
+from actors.serving.errors import InjectedCrash
+from actors.serving.worker._backends import engine_backend
+from actors.serving.worker._faults import InjectedFaults, SlowDown
 from actors.serving.worker._kvbridge import KVBridge, needs_transfer
 from protocols import control as c
 from protocols.engine import (
+    Capacity,
     Engine,
     EngineOutput,
     MemoryTag,
+    OutputStream,
     PauseMode,
     PreprocessedRequest,
 )
-from protocols.errors import EngineFailure, EngineShutdown, RequestError, WorkerDraining
+from protocols.errors import EngineShutdown, RequestError, WorkerDraining
 
-__all__ = ["EngineHost", "InjectedCrash", "build_engine"]
-
-
-class InjectedCrash(Exception):
-    """Raised by ``control.Perturb("crash")``: a fault injected into the engine actor."""
-
-
-def build_engine(backend: str, config: bytes, task_group: Any) -> Engine:
-    """The engine for ``backend`` from its msgpack-encoded config."""
-    if backend == "mock":
-        from actors.serving.engines import MockEngine, MockEngineConfig
-
-        return MockEngine(
-            msgspec.msgpack.decode(config, type=MockEngineConfig), task_group=task_group
-        )
-    if backend == "hf":
-        from actors.serving.engines import HFEngine, decode_config
-
-        return HFEngine(decode_config(config))
-    if backend == "sglang":
-        from actors.serving.engines import SGLangEngine
-
-        options = msgspec.msgpack.decode(config)
-        return SGLangEngine(options.pop("server_args"), **options)
-    raise ValueError(f"unknown engine backend {backend!r} (mock, hf, sglang)")
+__all__ = ["EngineHost", "InjectedCrash"]
 
 
 class EngineHost(Actor):
-    """Serves ``protocols.control`` messages and generation streams for one engine."""
+    """Serves ``protocols.control`` messages and generation streams for one engine.
+
+    ``backend`` names the engine's entry in the backend table (``UnknownBackend`` otherwise),
+    and ``config`` is what that entry's ``configure`` made in the root.
+    """
 
     reply_errors = (RequestError,)
 
     def __init__(self, backend: str, config: bytes, worker_id: str = "") -> None:
-        self.backend = backend
+        self.backend = engine_backend(backend)
         self.config = config
         self.worker_id = worker_id or f"worker-{os.getpid()}"
         self.bridge: KVBridge | None = None
@@ -71,16 +55,16 @@ class EngineHost(Actor):
         self.streaming = 0  # of which have streamed an output
         self.finished = 0
         self.last_output = time.monotonic()
-        self._capacity: Any = None
+        self._capacity: Capacity | None = None
         self.admitting = True
         self._running: set[str] = set()
         # A drained request's end (the migratable error its stream raises), from the drain on.
         self._handed_over: dict[str, RequestError] = {}
         self._handovers = {"live": 0, "replay": 0}
-        self._faults: dict[str, int] = {}
+        self.faults = InjectedFaults()  # control.InjectFault's (tests, scenarios)
 
     async def started(self) -> None:
-        self.engine = build_engine(self.backend, self.config, self.task_group)
+        self.engine = self.backend.build(self.config, self.task_group)
         try:
             self._capacity = await self.engine.start()
             await self._open_bridge()
@@ -95,10 +79,12 @@ class EngineHost(Actor):
             await self.engine.cleanup()
 
     async def _open_bridge(self) -> None:
-        role = getattr(getattr(self.engine, "config", None), "role", "aggregated")
-        if self.backend == "sglang" or role not in ("prefill", "decode") or self.bridge is not None:
+        """Our KV transfer, for a prefill or decode engine that does not move KV itself."""
+        engine, transfer = self.engine, self.backend.kv_transfer
+        assert engine is not None
+        if transfer is None or engine.role == "aggregated" or self.bridge is not None:
             return
-        bridge = KVBridge(self.engine, role, self.worker_id, self._take_fault)
+        bridge = KVBridge(transfer(engine, self.faults), engine.role, self.worker_id)
         self.bridge = await self.task_group.start(self._keep_bridge, bridge)
 
     async def _keep_bridge(
@@ -125,11 +111,12 @@ class EngineHost(Actor):
     async def receive(self, message: Any) -> Any:
         engine = self.engine
         assert engine is not None
+        faults = self.faults
         match message:
             case c.GetCapacity():
                 return (
                     self.bridge.capacity(self._capacity)
-                    if self.bridge is not None
+                    if self.bridge is not None and self._capacity is not None
                     else self._capacity
                 )
             case c.ConnectPeer(endpoint=endpoint):
@@ -141,17 +128,20 @@ class EngineHost(Actor):
                 if self.bridge is None or not self.bridge.abort_handover(rid):
                     await engine.abort(rid)
             case c.Pause(mode=mode):
-                self._fault("pause")
+                if faults.armed:
+                    faults.check("pause")
                 await engine.pause(mode)
             case c.ContinueGeneration():
                 await engine.continue_generation()
             case c.ReleaseMemory(tags=tags):
-                self._fault("release_memory")
+                if faults.armed:
+                    faults.check("release_memory")
                 if MemoryTag.KV_CACHE in tags:
                     await self._close_bridge()  # the registered KV buffer is about to go
                 await engine.release_memory(tags)
             case c.ResumeMemory(tags=tags):
-                self._fault("resume_memory")
+                if faults.armed:
+                    faults.check("resume_memory")
                 await engine.resume_memory(tags)
                 if MemoryTag.KV_CACHE in tags:
                     await self._open_bridge()  # a new buffer: register it again
@@ -162,68 +152,63 @@ class EngineHost(Actor):
                     await engine.continue_generation()
                 self.admitting = True
             case c.InjectFault(operation=operation, count=count):
-                self._faults[operation] = self._faults.get(operation, 0) + count
+                faults.add(operation, count)
             case c.FlushCache():
                 return await engine.flush_cache()
             case c.IsQuiescent():
                 return engine.is_quiescent()
             case c.GetHealthPayload():
-                self._fault("health")
+                if faults.armed:
+                    faults.check("health")
                 return engine.health_payload()
             case c.Perturb(action=action, factor=factor):
                 await self._perturb(action, factor)
             case c.GetStats():
-                released = getattr(engine, "released_tags", ())
-                native = engine.statistics() if hasattr(engine, "statistics") else None
-                return c.EngineStats(
-                    running=self.running,
-                    streaming=self.streaming,
-                    finished=self.finished,
-                    last_output=self.last_output,
-                    released=tuple(released() if callable(released) else released),
-                    quiescent=engine.is_quiescent(),
-                    kv_used_blocks=getattr(native, "used_blocks", -1),
-                    engine_in_flight=getattr(native, "in_flight", -1),
-                    pid=os.getpid(),
-                    admitting=self.admitting,
-                    prefill_tokens=getattr(native, "prefill_tokens", -1),
-                    kv_received_tokens=getattr(native, "kv_received_tokens", -1),
-                    handovers_live=self._handovers["live"],
-                    handovers_replay=self._handovers["replay"],
-                    handovers_open=self.bridge.handovers_open if self.bridge else 0,
-                    kv_write_seconds=self.bridge.write_seconds() if self.bridge else 0.0,
-                    transfer_pages=self.bridge.transfer_pages() if self.bridge else 0,
-                )
+                return self._stats(engine)
             case _:
                 return await super().receive(message)
         return None
 
+    def _stats(self, engine: Engine) -> c.EngineStats:
+        native = engine.statistics()
+        bridge = self.bridge
+        return c.EngineStats(
+            running=self.running,
+            streaming=self.streaming,
+            finished=self.finished,
+            last_output=self.last_output,
+            released=tuple(native.released),
+            quiescent=engine.is_quiescent(),
+            kv_used_blocks=native.used_blocks,
+            engine_in_flight=native.in_flight,
+            pid=os.getpid(),
+            admitting=self.admitting,
+            prefill_tokens=native.prefill_tokens,
+            kv_received_tokens=native.kv_received_tokens,
+            handovers_live=self._handovers["live"],
+            handovers_replay=self._handovers["replay"],
+            handovers_open=bridge.handovers_open if bridge else 0,
+            kv_write_seconds=bridge.write_seconds() if bridge else 0.0,
+            transfer_pages=bridge.transfer_pages() if bridge else 0,
+        )
+
     async def _perturb(self, action: str, factor: float) -> None:
         """Fault injection (scenarios): see ``protocols.control.Perturb``."""
-        assert self.engine is not None
+        engine = self.engine
+        assert engine is not None
         if action == "crash":
             # Not a reply error: it escapes the handler and crashes this actor.
             raise InjectedCrash("injected crash of the engine actor's handler")
         if action == "hang":
             # Straight to the engine, not through our own pause bookkeeping: from the outside
             # this must look like an engine that stopped making progress, nothing else.
-            await self.engine.pause(PauseMode.IN_PLACE)
+            await engine.pause(PauseMode.IN_PLACE)
         elif action == "unhang":
-            await self.engine.continue_generation()
-        elif action == "slow" and hasattr(self.engine, "slow_down"):
-            self.engine.slow_down(factor)
+            await engine.continue_generation()
+        elif action == "slow" and isinstance(engine, SlowDown):
+            engine.slow_down(factor)
         else:
-            raise ReplyError(f"cannot perturb a {self.backend} engine with {action!r}")
-
-    def _take_fault(self, operation: str) -> bool:
-        left = self._faults.get(operation, 0)
-        if left:
-            self._faults[operation] = left - 1
-        return bool(left)
-
-    def _fault(self, operation: str) -> None:
-        if self._take_fault(operation):
-            raise EngineFailure(f"injected fault in {operation}")
+            raise ReplyError(f"cannot perturb a {self.backend.name} engine with {action!r}")
 
     async def _drain(self, handover: bool, shutdown: bool, live: bool) -> None:
         self.admitting = False
@@ -251,7 +236,7 @@ class EngineHost(Actor):
             if offer is None:
                 await self.engine.abort(rid)
 
-    def _outputs(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+    def _outputs(self, request: PreprocessedRequest) -> OutputStream:
         assert self.engine is not None
         bridge = self.bridge
         if bridge is not None and needs_transfer(request):
@@ -261,20 +246,18 @@ class EngineHost(Actor):
         return self.engine.generate(request)
 
     async def receive_stream(self, message: Any) -> AsyncIterator[EngineOutput]:
+        assert self.engine is not None
         if isinstance(message, c.WaitQuiescent):
             # A stream, not an ask: a drain may take long, and the mailbox must keep serving
             # meanwhile (aborts of handed-over requests, health checks, statistics).
-            waiter = getattr(self.engine, "wait_quiescent", None)
-            if waiter is None:
-                raise ReplyError("this engine cannot wait for quiescence")
-            await waiter()
+            await self.engine.wait_quiescent()
             return
         if not isinstance(message, PreprocessedRequest):
             raise ReplyError(f"expected a PreprocessedRequest, got {type(message).__name__}")
-        assert self.engine is not None
         if not self.admitting and not message.health_check:
             raise WorkerDraining("the worker is not accepting new requests")
-        self._fault("generate")
+        if self.faults.armed:
+            self.faults.check("generate")
         rid = message.rid
         self.running += 1
         self._running.add(rid)
@@ -302,6 +285,4 @@ class EngineHost(Actor):
             self._handed_over.pop(rid, None)
             # Closing the engine's stream early aborts the request (engines abort synchronously
             # in aclose, so this completes even under cancellation).
-            aclose = getattr(outputs, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await outputs.aclose()

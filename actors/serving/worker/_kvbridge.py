@@ -33,7 +33,7 @@ import contextlib
 import os
 import struct
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
@@ -50,6 +50,7 @@ if (
     TYPE_CHECKING
 ):  # actors.serving.kv is imported where a bridge opens: only bridged workers need NIXL
     from actors.serving.kv import KVPool, PageAllocation, PrefillKV, PrefillRoom, ReceivedKV
+    from actors.serving.worker._faults import InjectedFaults
 
 __all__ = ["EngineTransfer", "HandOver", "KVBridge", "MockTransfer", "Receive", "needs_transfer"]
 
@@ -77,12 +78,14 @@ class EngineTransfer(Protocol):
 
     def prefill(
         self, request: PreprocessedRequest, room: PrefillRoom
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Run the prompt, publish its output, then ``room.send`` its pages; end once the send
         returned (the room is terminal: the pages may be reused)."""
         ...
 
-    def decode(self, request: PreprocessedRequest, receive: Receive) -> AsyncIterator[EngineOutput]:
+    def decode(
+        self, request: PreprocessedRequest, receive: Receive
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Take the prompt's KV through ``receive`` and stream the whole generation, starting
         with its first token."""
         ...
@@ -117,13 +120,10 @@ class KVBridge:
     """One worker's NIXL side: a PrefillKV or DecodeKV over its engine's transfer pool (plus,
     on a decode worker that can hand over, a PrefillKV for live migration)."""
 
-    def __init__(
-        self, engine: Any, role: str, worker_id: str, fault: Callable[[str], bool] = lambda _: False
-    ) -> None:
-        self.engine = engine
+    def __init__(self, transfer: EngineTransfer, role: str, worker_id: str) -> None:
         self.role = role
         self.worker_id = worker_id
-        self.transfer = transfer_for(engine, fault)
+        self.transfer = transfer
         self._stack = contextlib.AsyncExitStack()
         self.service: Any = None
         self.pool: KVPool | None = None
@@ -283,7 +283,7 @@ class KVBridge:
         if self.role == "decode":
             self.service.connect_soon(endpoint)
 
-    async def prefill(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+    async def prefill(self, request: PreprocessedRequest) -> AsyncGenerator[EngineOutput, None]:
         """Run the prompt; then WRITE its pages to decode; the stream ends when the transfer has
         reached a terminal state."""
         assert request.bootstrap_info is not None
@@ -293,9 +293,9 @@ class KVBridge:
                 async for output in outputs:
                     yield output
             finally:
-                await _aclose(outputs)
+                await outputs.aclose()
 
-    def decode(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+    def decode(self, request: PreprocessedRequest) -> AsyncGenerator[EngineOutput, None]:
         """Take the prompt's pages from prefill, then decode from them: the transfer's own
         stream (no generator of ours around it, which every output would pass through; the
         caller closes it)."""
@@ -310,28 +310,13 @@ class KVBridge:
         return self.transfer.decode(request, receive)
 
 
-def transfer_for(engine: Any, fault: Callable[[str], bool]) -> EngineTransfer:
-    """The :class:`EngineTransfer` of ``engine`` (mock or hf)."""
-    if hasattr(engine, "generate_from_kv"):
-        from actors.serving.worker._kvbridge_hf import HFTransfer
-
-        return HFTransfer(engine)
-    return MockTransfer(engine, fault)
-
-
-async def _aclose(outputs: AsyncIterator[EngineOutput]) -> None:
-    aclose = getattr(outputs, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
 class MockTransfer:
     """The mock engine's transfer hooks (see ``actors.serving.engines._mock._transfer``): NIXL moves
     its own KV buffer, and decode verifies the pages against the tokens itself."""
 
-    def __init__(self, engine: Any, fault: Callable[[str], bool]) -> None:
+    def __init__(self, engine: Any, faults: InjectedFaults) -> None:
         self.engine = engine
-        self._fault = fault  # test and scenario fault injection (``corrupt_kv``, ``fail_kv``)
+        self._faults = faults  # the host's (``corrupt_kv``, ``fail_kv``): tests and scenarios
         self._pool: KVPool | None = None
         # Requests whose KV arrived in this event-loop turn, with the hash it came with.
         self._landed: dict[str, int | None] = {}
@@ -362,7 +347,7 @@ class MockTransfer:
 
     async def prefill(
         self, request: PreprocessedRequest, room: PrefillRoom
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         engine, rid = self.engine, request.rid
         outputs = engine.generate(request)
         try:
@@ -400,7 +385,7 @@ class MockTransfer:
 
     async def decode(
         self, request: PreprocessedRequest, receive: Receive
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         assert self._pool is not None
         engine, rid = self.engine, request.rid
         outputs = engine.generate(request)
@@ -427,14 +412,16 @@ class MockTransfer:
             except KVTransferError as exc:
                 engine.fail_transfer(rid, str(exc))
                 raise
-            if self._fault("fail_kv"):
-                # Fault injection: the transfer fails (as a lost NIXL connection would).
-                engine.fail_transfer(rid, "injected KV transfer failure")
-                raise KVTransferError("injected KV transfer failure")
-            if self._fault("corrupt_kv"):
-                # Fault injection: one flipped byte in the first received page.
-                buffer = engine.kv_buffer(target.dp_rank)
-                buffer[target.block_ids[0], 0] ^= 0xFF
+            faults = self._faults
+            if faults.armed:
+                if faults.take("fail_kv"):
+                    # The transfer fails, as a lost NIXL connection would.
+                    engine.fail_transfer(rid, "injected KV transfer failure")
+                    raise KVTransferError("injected KV transfer failure")
+                if faults.take("corrupt_kv"):
+                    # One flipped byte in the first received page.
+                    buffer = engine.kv_buffer(target.dp_rank)
+                    buffer[target.block_ids[0], 0] ^= 0xFF
             await self._complete(rid, prefix_hash)
             async for output in outputs:
                 yield output

@@ -30,7 +30,7 @@ hands the pages to the transfer service, which frees them once prefill can no lo
 from __future__ import annotations
 
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 import anyio
@@ -89,7 +89,7 @@ class HFTransfer:
 
     async def prefill(
         self, request: PreprocessedRequest, room: PrefillRoom
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         engine, pages = self.engine, self._pages
         assert pages is not None
         engine.check(request)  # typed errors before anything is staged or submitted
@@ -112,7 +112,7 @@ class HFTransfer:
 
     async def decode(
         self, request: PreprocessedRequest, receive: Receive
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         engine, pages = self.engine, self._pages
         assert pages is not None
         # A request the engine would reject fails here, as in aggregated serving, before any

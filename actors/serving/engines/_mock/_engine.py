@@ -18,6 +18,7 @@ import msgspec
 
 from actors.serving.engines._mock._config import (
     FAKE_BOOTSTRAP_HOST,
+    EngineRole,
     MockEngineConfig,
     offset_endpoint,
 )
@@ -32,6 +33,7 @@ from actors.serving.engines._mock._scheduler import RankScheduler
 from actors.serving.engines._mock._stats import IntrospectionMixin
 from actors.serving.engines._mock._tokens import TokenModel
 from actors.serving.engines._mock._transfer import TransferMixin
+from actors.serving.errors import MockEngineBusy
 from protocols.engine import (
     BootstrapInfo,
     Capacity,
@@ -52,10 +54,6 @@ from protocols.errors import (
 __all__ = ["MockEngine", "MockEngineBusy"]
 
 _CLEANUP_WAIT_S = 5.0
-
-
-class MockEngineBusy(RuntimeError):
-    """``release_memory(kv_cache)`` while requests still hold KV (pause with retract first)."""
 
 
 class MockEngine(TransferMixin, IntrospectionMixin):
@@ -394,6 +392,10 @@ class MockEngine(TransferMixin, IntrospectionMixin):
     @property
     def released_tags(self) -> frozenset[MemoryTag]:
         return frozenset(self._released)
+
+    @property
+    def role(self) -> EngineRole:
+        return self.config.role
 
     async def flush_cache(self) -> bool:
         """Drop the prefix cache; ``False`` (nothing done) while any request holds KV."""

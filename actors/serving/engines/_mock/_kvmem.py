@@ -199,8 +199,8 @@ class KvPageMemory:
 
     def warm_device(self) -> None:
         """Launch the page gather and scatter once, block 0 written back as it is: CUDA loads
-        a kernel at its first launch, and the first live migration's page check paid ~6 ms for
-        it on the receiving engine's event loop (measured on an H100)."""
+        a kernel at its first launch, which the first live migration's page check would
+        otherwise pay for on the receiving engine's event loop."""
         blocks = self.buffer()
         torch = importlib.import_module("torch")
         # The scratch too (pinned host memory is slow to allocate), sized for a drain's batch.

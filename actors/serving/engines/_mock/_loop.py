@@ -165,9 +165,7 @@ class LoopMixin:
         arrived while the KV of more of them (a drain's) is still on its way: so they start
         together, instead of the late ones waiting out a step run for the first few. The
         first wait at most as long as the step they all take together, their KV counted (a step
-        started without the late ones makes them wait up to its length, then their own).
-        Measured on a GPU host: capped at the first few's shorter step, the hold ran out with
-        5 of 16 contexts landing within the next millisecond, which then waited 14 ms."""
+        started without the late ones makes them wait up to its length, then their own)."""
         arrived = self._arrived = [r for r in self._arrived if r.phase is Phase.DECODE]
         if len(arrived) < decoders or not any(
             r.phase is Phase.AWAITING_KV and r.request.live_migration for r in self.running

@@ -63,9 +63,15 @@ class RankStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class MockEngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine contract's ``EngineStatistics``, with each rank's details."""
+
     ranks: tuple[RankStatistics, ...]
     in_flight: int  # requests whose streams have not ended
     released_tags: tuple[str, ...]
+
+    @property
+    def released(self) -> frozenset[MemoryTag]:
+        return frozenset(MemoryTag(t) for t in self.released_tags)
 
     @property
     def generated_tokens(self) -> int:

@@ -51,6 +51,7 @@ from actors.serving.engines._sglang._launch import (
 )
 from actors.serving.engines._sglang._signals import DeferredSignalHandlers
 from actors.serving.engines._sglang._stream import RequestStream, StreamConfig
+from actors.serving.errors import SGLangRequiresAsyncio
 from protocols.engine import (
     BootstrapInfo,
     Capacity,
@@ -77,20 +78,29 @@ _EARLY_ABORT_TTL_S = 60.0
 _SHUTDOWN_DRAIN_S = 2.0  # cleanup: how long in-flight streams get to end after their abort
 
 
-class SGLangRequiresAsyncio(RuntimeError):
-    """SGLang's engine runs only on asyncio; the worker was started on another backend."""
-
-
 class SGLangEngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of the backend's state."""
+    """A snapshot of the backend's state (the engine contract's ``EngineStatistics``; SGLang's
+    own counts come from its metrics)."""
 
     role: str
     started: bool
     closed: bool
     in_flight: int
     paused: str | None
-    released: tuple[str, ...]
+    released: frozenset[MemoryTag]
     deferred_signals: dict[int, int]
+
+    @property
+    def used_blocks(self) -> int:
+        return -1  # not counted here
+
+    @property
+    def prefill_tokens(self) -> int:
+        return -1  # not counted here
+
+    @property
+    def kv_received_tokens(self) -> int:
+        return -1  # not counted here
 
 
 class SGLangEngine:
@@ -433,7 +443,7 @@ class SGLangEngine:
             closed=self._cleanup_done is not None and self._cleanup_done.is_set(),
             in_flight=len(self._streams),
             paused=None if self._paused is None else self._paused.value,
-            released=tuple(t.value for t in _TAG_ORDER if t in self._released),
+            released=frozenset(self._released),
             deferred_signals=self._signals.captured() if self._signals is not None else {},
         )
 

@@ -1,4 +1,9 @@
-"""A test double of the frontend's Backend seam: deterministic scripted outputs per request."""
+"""Test doubles for apps that embed the serving frontend.
+
+:class:`FakeBackend` implements the frontend's :class:`~actors.serving.frontend.Backend` protocol
+with no engine behind it: one model (:data:`MODEL`, :data:`CONTEXT` tokens of context) whose every
+answer is :data:`ANSWER`, streamed in chunks, with knobs for errors, delays, hangs and truncation.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from actors.serving.frontend import ByteTokenizer, EndpointStatus, ModelInfo, Tokenizer
 from protocols.engine import EngineOutput, FinishReason, PreprocessedRequest, Usage
+
+__all__ = ["ANSWER", "CONTEXT", "MODEL", "FakeBackend"]
 
 MODEL = "mock-model"
 CONTEXT = 256

