@@ -85,8 +85,9 @@ class Snapshot:
         return cls(frozenset(live_tasks()), frozenset(socket_fds()), frozenset(_children()))
 
 
-async def leaks_since(before: Snapshot, wait_s: float = 5.0) -> list[str]:
-    """What the run left behind, after giving stragglers up to ``wait_s`` to go."""
+async def leaks_since(before: Snapshot, wait_s: float = 15.0) -> list[str]:
+    """What the run left behind, after giving stragglers up to ``wait_s`` to go (generous: on
+    a loaded machine engine processes take seconds to exit; a clean run returns at once)."""
     me = anyio.get_current_task()
     leaks: list[str] = []
     with anyio.move_on_after(wait_s):
