@@ -22,7 +22,9 @@ from actors.serving import ModelService
 from actors.serving.frontend import ModelInfo
 from actors.serving.requests import open_request
 from actors.serving.requests._outputs import NextAttempt
+from actors.testing import hang
 from protocols import PreprocessedRequest, SamplingOptions, StopConditions
+from protocols.errors import RequestTimeout
 from supervisors import SupervisorRef
 from tests.helpers.serving import Tree, serving_tree
 from tests.serving.test_disaggregated import DISAGG, _quiet
@@ -207,3 +209,25 @@ async def test_a_cancel_after_the_prefills_first_token_frees_both_sides() -> Non
                 os.kill(pid, signal.SIGCONT)
         assert got["text"] and got["finish"] is None
         await _settled(tree)
+
+
+async def test_a_hung_stream_actor_cannot_hold_its_client_past_the_deadline() -> None:
+    # No ask on a request's path waits for ever: the consumer's ask for the next attempt waits
+    # out the request's deadline (and a grace), then ends the request as timed out.
+    async with serving_tree(
+        mode="aggregated", decode_workers=1, request_timeout=0.5, migration_limit=3
+    ) as tree:
+        outputs = open_request(
+            _streams(tree), tree.serving.table, tree.serving.admission, _request("hung", 4000)
+        )
+        try:
+            await outputs.__anext__()  # the first output: the stream actor owns the request
+            assert outputs.owner is not None
+            await hang(outputs.owner)
+            pid = (await tree.engine_stats("decode-0")).pid
+            os.kill(pid, signal.SIGKILL)  # the attempt fails; its actor will never answer
+            with pytest.raises(RequestTimeout), anyio.fail_after(30):
+                async for _ in outputs:
+                    pass
+        finally:
+            outputs.close()

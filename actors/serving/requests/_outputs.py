@@ -13,16 +13,18 @@ request out of admission.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import attrs
 
-from actors import ActorError, ActorRef, Call
+from actors import ActorError, ActorRef, AskTimeout, Call
 from actors.serving.requests._admission import Admission
 from actors.serving.requests._attempt import Attempt
 from actors.serving.routing import RoutingTable
 from protocols.engine import EngineOutput, PreprocessedRequest
-from protocols.errors import NoWorkerAvailable, RequestError
+from protocols.errors import NoWorkerAvailable, RequestError, RequestTimeout
 from supervisors import SupervisorRef
 
 __all__ = ["Finish", "NextAttempt", "RequestOutputs", "open_request"]
@@ -59,6 +61,7 @@ class Finish:
     cancelled: bool
 
 
+_ANSWER_GRACE_S = 5.0
 _FINISHED = Finish(cancelled=False)
 _CANCELLED = Finish(cancelled=True)
 
@@ -79,6 +82,7 @@ class RequestOutputs:
         "_closed",
         "_error",
         "_streams",
+        "deadline",
         "owner",
         "request",
     )
@@ -90,6 +94,7 @@ class RequestOutputs:
         self.request = request
         self._admission = admission
         self.owner: ActorRef[Any] | None = None
+        self.deadline = math.inf  # the request's, set with ``owner``: its asks wait no longer
         self._attempt: Attempt | None = None
         self._error: BaseException | None = None  # found by next_nowait, for __anext__
         self._closed = False
@@ -122,10 +127,16 @@ class RequestOutputs:
                     error = exc
             owner = self.owner
             assert owner is not None  # it took the request: it gave us the attempt
-            # The actor decides: the next attempt, or it raises the request's terminal error.
-            attempt = self._attempt = await owner.ask(
-                NextAttempt(self, attempt, error), timeout=None
-            )
+            # The actor decides: the next attempt, or it raises the request's terminal error. It
+            # answers within the request's deadline; the grace covers its own reply, and a hung
+            # actor ends the request as timed out rather than holding its client.
+            left = self.deadline - time.monotonic() + _ANSWER_GRACE_S
+            try:
+                attempt = self._attempt = await owner.ask(
+                    NextAttempt(self, attempt, error), timeout=max(left, _ANSWER_GRACE_S)
+                )
+            except AskTimeout:
+                raise RequestTimeout("the request ran past its deadline") from None
 
     def next_nowait(self) -> EngineOutput | None:
         """An output that is already here, or ``None`` (never waits, never raises: what ends an

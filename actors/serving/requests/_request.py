@@ -122,7 +122,7 @@ class RequestStream(Actor):
         if outputs.closed:  # it gave up before we ran
             self._finish(cancelled=True)
             raise ReplyError("the request was cancelled before it started")
-        deadline = time.monotonic() + self.options.request_timeout
+        deadline = outputs.deadline = time.monotonic() + self.options.request_timeout
         self._progress = Progress(outputs.request, deadline)
 
     def _finish(self, cancelled: bool) -> None:
