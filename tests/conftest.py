@@ -24,11 +24,8 @@ structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.
 pytest_plugins = ["tests.helpers.fixtures"]
 
 # A temporary directory for this run alone (child processes inherit it): whatever appears in it
-# during a test and stays after it is a leak (a socket file of a killed process, say). Each
-# pytest-xdist worker makes its own beside the controller's, not inside it: Unix socket paths
-# there must stay short.
-_BASE = os.environ.setdefault("ACTORSERVE_TESTS_TMP_BASE", tempfile.gettempdir())
-_TMP = tempfile.mkdtemp(prefix="actorserve-tests-", dir=_BASE)
+# during a test and stays after it is a leak (a socket file of a killed process, say).
+_TMP = tempfile.mkdtemp(prefix="actorserve-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = _TMP
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 # The roots' private run directories (control socket, token) live here too: a root's directory

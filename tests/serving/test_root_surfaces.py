@@ -142,6 +142,10 @@ def _start_root(port: int, env: dict[str, str]) -> subprocess.Popen[str]:
     return start_root(port, "--decode-workers", "1", "--grace-period", "0", *api, env=env)
 
 
+def _listening(path: Path) -> bool:
+    return path.exists() and stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+
+
 def _tree(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "actors.serving", "tree", "--json"],
@@ -168,8 +172,9 @@ async def test_each_root_has_its_own_private_socket_and_token_removed_however_it
         for port in ports:
             await wait_healthy(port, 60)
         dirs = [run_base / f"root-{root.pid}" for root in roots]
-        # The control socket opens once the tree is up, not necessarily before /health says so.
-        await wait_until(lambda: all((d / "control.sock").exists() for d in dirs), timeout=30)
+        # The control socket opens once the tree is up, not necessarily before /health says so,
+        # and is made 0600 right after its bind (the 0700 directory guards that instant).
+        await wait_until(lambda: all(_listening(d / "control.sock") for d in dirs), timeout=30)
         for rundir in dirs:
             assert stat.S_IMODE(os.lstat(rundir).st_mode) == 0o700
             assert stat.S_IMODE(os.lstat(rundir / "control.sock").st_mode) == 0o600
