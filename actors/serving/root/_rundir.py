@@ -32,6 +32,7 @@ __all__ = [
 
 CONTROL_SOCKET = "control.sock"
 CONTROL_TOKEN = "control.token"
+_ROOT_PREFIX = "root-"
 _hard_exit_dirs: list[Path] = []
 
 
@@ -78,12 +79,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _root_dir(base: Path, pid: int) -> Path:
+    return base / f"{_ROOT_PREFIX}{pid}"
+
+
 def _pid_of(entry: Path) -> int | None:
     name = entry.name
-    if not name.startswith("root-"):
+    if not name.startswith(_ROOT_PREFIX):
         return None
     try:
-        return int(name.removeprefix("root-"))
+        return int(name.removeprefix(_ROOT_PREFIX))
     except ValueError:
         return None
 
@@ -109,7 +114,7 @@ class RunDir:
     def __init__(self) -> None:
         base = user_run_dir()
         _remove_stale(base)
-        self.path = base / f"root-{os.getpid()}"
+        self.path = _root_dir(base, os.getpid())
         shutil.rmtree(self.path, ignore_errors=True)  # a previous root of a reused pid
         os.mkdir(self.path, 0o700)
         _hard_exit_dirs.append(self.path)
@@ -131,7 +136,7 @@ class RunDir:
 
 def token_file_of_this_root() -> Path:
     """Where this process's root wrote the control API token it made."""
-    return user_run_dir() / f"root-{os.getpid()}" / CONTROL_TOKEN
+    return _root_dir(user_run_dir(), os.getpid()) / CONTROL_TOKEN
 
 
 def remove_on_hard_exit() -> None:
