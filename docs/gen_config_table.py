@@ -36,6 +36,10 @@ TARGETS: dict[str, tuple[str, ...]] = {
 RUNTIME_DEFAULTS: dict[str, str] = {
     "config": "none",
     "engine_arg": "none",
+    "prefill_engine_arg": "none",
+    "decode_engine_arg": "none",
+    "tokenizer": "the model's own (hf; sglang with a local model folder), else bytes (mock)",
+    "kv_events": "on with the `kv_aware` router",
     "loop": "`uvloop` where installed, else `asyncio`",
     "control": "`control.sock` in the root's run directory",
     "control_api_port": "off",
@@ -60,8 +64,16 @@ FIELD_MEANINGS: dict[str, str] = {
     "quarantine_cooldown": "Seconds a crash-looping worker (one that escalates twice within a "
     "minute) stays down, out of routing, before it is tried again; doubles while it keeps "
     "failing, up to 24 times this. Its pool, its siblings and the request streams run on.",
-    "tokenizer": "A local tokenizer folder (default: the hf model's own; the mock's byte "
+    "tokenizer": "A local tokenizer folder (default: the model's own where the backend has a "
+    "local model folder: hf, and sglang's `model_path`/`tokenizer_path`; the mock's byte "
     "tokenizer).",
+    "prefill_engine_args": "Engine args for prefill workers only, over `engine_args`.",
+    "decode_engine_args": "Engine args for decode (or aggregated) workers only, over "
+    "`engine_args`.",
+    "memory_release": "sglang: start engines with SGLang's memory saver, so that release and "
+    "resume free GPU memory (the mock and hf always can).",
+    "kv_events": "sglang: publish KV events to the router (default: on with the kv_aware "
+    "router; the mock always publishes them).",
 }
 
 

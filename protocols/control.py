@@ -123,7 +123,9 @@ class InjectFault:
     """Fault injection for tests and scenarios: the next ``count`` calls of ``operation``
     (``release_memory``, ``resume_memory``, ``pause``, ``generate``, ``health``: the health
     checker's canary payload) raise; on a decode worker with our KV bridge, the next ``count``
-    transfers fail (``fail_kv``) or arrive with a flipped byte (``corrupt_kv``)."""
+    transfers fail (``fail_kv``) or arrive with a flipped byte (``corrupt_kv``); on a prefill
+    worker with it, the next ``count`` prefills never send their KV (``hold_kv``: decode waits
+    for it until the prefill is gone)."""
 
     operation: str
     count: int = 1
@@ -154,6 +156,7 @@ class EngineStats:
     engine_in_flight: int = -1  # requests the engine itself still tracks; -1: unknown
     pid: int = 0  # the engine process
     admitting: bool = True
+    paused: bool = False  # generation paused by the lifecycle (not by a fault)
     prefill_tokens: int = -1  # tokens the engine computed by prefill; -1: unknown
     kv_received_tokens: int = -1  # tokens whose KV arrived by transfer instead; -1: unknown
     handovers_live: int = 0  # drained requests offered to the next worker with their KV

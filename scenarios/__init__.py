@@ -22,6 +22,10 @@ From Python or pytest::
 
 From the shell: ``actorserve scenario list``, ``actorserve scenario run NAME|FILE
 [--report out.json] [--plot out.png]``. Files are TOML or YAML (see ``load_scenario``).
+
+The soak (``actorserve scenario soak``, or ``run_soak(SoakConfig(...))``) runs mixed load for
+a long time with a fault every period, and checks that no request is lost and that memory,
+descriptors and threads stay flat.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -54,6 +58,8 @@ if TYPE_CHECKING:
     from scenarios._plot import plot_timeline
     from scenarios._report import CheckResult, Report, RequestSummary, ScenarioFailed
     from scenarios._runner import run, run_scenario
+    from scenarios._soak import run_soak
+    from scenarios._soak_report import SoakConfig, SoakReport
     from scenarios._workload import RequestRecord
 
 _LAZY = {
@@ -86,6 +92,8 @@ _LAZY = {
     "ScenarioFailed": "scenarios._report",
     "SignalRoot": "scenarios._lifecycle",
     "SlowEngine": "scenarios._faults_model",
+    "SoakConfig": "scenarios._soak_report",
+    "SoakReport": "scenarios._soak_report",
     "StallEngine": "scenarios._faults_model",
     "Workload": "scenarios._model",
     "get_scenario": "scenarios._library",
@@ -94,6 +102,7 @@ _LAZY = {
     "plot_timeline": "scenarios._plot",
     "run": "scenarios._runner",
     "run_scenario": "scenarios._runner",
+    "run_soak": "scenarios._soak",
     "scenario_from_dict": "scenarios._load",
     "topology": "scenarios._model",
 }
@@ -140,6 +149,8 @@ __all__ = [
     "ScenarioFailed",
     "SignalRoot",
     "SlowEngine",
+    "SoakConfig",
+    "SoakReport",
     "StallEngine",
     "Workload",
     "get_scenario",
@@ -148,6 +159,7 @@ __all__ = [
     "plot_timeline",
     "run",
     "run_scenario",
+    "run_soak",
     "scenario_from_dict",
     "topology",
 ]

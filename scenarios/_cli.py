@@ -101,3 +101,71 @@ def run_scenarios(
         _console.print(table)
     if not all(passed for _, passed, _ in results):
         raise typer.Exit(1)
+
+
+@app.command("fuzz-http")
+def fuzz_http(
+    cases: Annotated[int, typer.Option(help="How many requests to generate and send.")] = 5000,
+    loop: Annotated[str, typer.Option(help="The root's event loop: asyncio or trio.")] = "asyncio",
+    seed: Annotated[
+        int | None, typer.Option(help="Hypothesis' seed (default: random; the JSON line has it).")
+    ] = None,
+) -> None:
+    """Fuzz the HTTP API with schemathesis, from the OpenAPI schema a root serves (mock engines,
+    disaggregated); print a table and a JSON line; exit 1 on any server error."""
+    import json
+
+    try:
+        from scenarios._fuzz_http import fuzz_http as run_fuzz
+    except ImportError as exc:  # schemathesis and hypothesis come with the dev extra only
+        _console.print(f"[red]fuzz-http needs the dev extra:[/red] {exc}")
+        raise typer.Exit(2) from None
+    with _console.status(f"fuzzing with {cases} cases..."):
+        report = run_fuzz(cases, loop=loop, seed=seed)
+    report.render(_console)
+    print(json.dumps(report.summary()))
+    if report.server_errors:
+        raise typer.Exit(1)
+
+
+@app.command("soak")
+def soak(
+    minutes: Annotated[float, typer.Option(help="How long the mixed load runs.")] = 30.0,
+    fault_every: Annotated[float, typer.Option(help="Seconds between two faults.")] = 60.0,
+    sample_every: Annotated[float, typer.Option(help="Seconds between two samples.")] = 5.0,
+    clients: Annotated[int, typer.Option(help="Concurrent closed-loop clients.")] = 6,
+    report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
+    loop: Annotated[str, typer.Option(help="Event loop: asyncio or trio.")] = "asyncio",
+    log_level: Annotated[str, typer.Option(help="Log level of the serving tree.")] = "error",
+) -> None:
+    """Soak: mixed load on the disaggregated mock tree with a fault every period; checks that
+    no request is lost and memory, descriptors and threads stay flat; exit 1 on a failure."""
+    import json
+
+    from actors.serving.cli import configure_logging
+    from scenarios._soak import soak as run_soak
+    from scenarios._soak_report import SoakConfig
+
+    configure_logging(log_level)
+    try:
+        config = SoakConfig(
+            duration_s=minutes * 60,
+            fault_every_s=fault_every,
+            sample_every_s=sample_every,
+            clients=clients,
+        )
+    except ValueError as exc:
+        _console.print(f"[red]bad soak options:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+    def progress(line: str) -> None:
+        _console.print(line)
+        _console.file.flush()  # a soak's log is read while it runs, often from a file
+
+    result = run_soak(config, backend=loop, progress=progress)
+    result.render(_console)
+    if report is not None:
+        result.save_json(report)
+    print(json.dumps(result.summary()))
+    if not result.passed:
+        raise typer.Exit(1)

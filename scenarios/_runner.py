@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -26,16 +27,16 @@ from scenarios._model import Scenario
 from scenarios._report import CheckResult, Report, RequestSummary
 from scenarios._subprocess import open_root_process
 from scenarios._workload import Clock, RequestRecord, run_workload
-from supervisors import SupervisorFlags, open_supervisor
+from supervisors import SupervisorFlags, SupervisorRef, open_supervisor
 
-__all__ = ["run", "run_scenario"]
+__all__ = ["kv_leaks", "open_tree", "run", "run_scenario"]
 
 _START_TIMEOUT_S = 60.0
 _IDLE_TIMEOUT_S = 5.0
 # A prefill may owe KV to a decode worker that died before claiming it: the pages are held until
 # the bootstrap timeout (actors.serving.kv.KVConfig.bootstrap_timeout, 30 s) ends the room. A
 # bounded hold, not a leak; the report says how long the engines took to be idle ("kv_idle").
-_DISAGG_IDLE_TIMEOUT_S = 35.0
+DISAGG_IDLE_TIMEOUT_S = 35.0
 
 
 @attrs.define
@@ -106,6 +107,19 @@ def _prepared(scenario: Scenario, tmp: Path) -> ServeConfig:
 _BUDGETS = Budgets(grace=0.2, release_grace=0.0, drain=10.0, transfers=10.0, cleanup=10.0)
 
 
+@asynccontextmanager
+async def open_tree(serving: Serving) -> AsyncIterator[SupervisorRef]:
+    """The serving tree in this process: the root's children (lifecycle included), as
+    ``actorserve run`` has them; entered once every worker is routable."""
+    children = serving_children(serving, RootOptions(budgets=_BUDGETS), lambda: None)
+    async with open_supervisor(
+        children, SupervisorFlags(intensity=10, period=60), name="root"
+    ) as root_ref:
+        with anyio.fail_after(_START_TIMEOUT_S):
+            await serving.table.wait_routable(len(serving.roles))
+        yield root_ref
+
+
 async def _serve_and_load(
     scenario: Scenario, config: ServeConfig, run: _Run, report: Report, tmp: Path
 ) -> None:
@@ -131,13 +145,7 @@ async def _serve_and_load(
         run.leaks += root.survivors()
         run.root_exit_code = root.exit_code
         return
-    # In this process: the root's children (lifecycle included), as ``actorserve run`` has them.
-    children = serving_children(serving, RootOptions(budgets=_BUDGETS), lambda: None)
-    async with open_supervisor(
-        children, SupervisorFlags(intensity=10, period=60), name="root"
-    ) as root_ref:
-        with anyio.fail_after(_START_TIMEOUT_S):
-            await serving.table.wait_routable(workers)
+    async with open_tree(serving) as root_ref:
         report.durations["startup"] = time.monotonic() - t
 
         def in_process(client: httpx.AsyncClient) -> Target:
@@ -161,10 +169,10 @@ async def _serve_and_load(
             )
         t = time.monotonic()
         disaggregated = config.mode == "disaggregated"
-        run.leaks += await _kv_leaks(
+        run.leaks += await kv_leaks(
             target,
             list(serving.roles),
-            _DISAGG_IDLE_TIMEOUT_S if disaggregated else _IDLE_TIMEOUT_S,
+            DISAGG_IDLE_TIMEOUT_S if disaggregated else _IDLE_TIMEOUT_S,
         )
         report.durations["kv_idle"] = time.monotonic() - t
 
@@ -228,7 +236,7 @@ def _fail_file(config: ServeConfig) -> Path | None:
     return Path(path) if path else None
 
 
-async def _kv_leaks(target: Target, workers: list[str], timeout: float) -> list[str]:
+async def kv_leaks(target: Target, workers: list[str], timeout: float) -> list[str]:
     """Engines still holding requests or KV blocks ``timeout`` s after every client is done."""
     leaks: list[str] = []
     with anyio.move_on_after(timeout):

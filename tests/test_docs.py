@@ -106,7 +106,7 @@ def test_run_options_table_lists_exactly_the_options(target: str) -> None:
     config = {f.name: f.default for f in attrs.fields(ServeConfig)}
     table = gen.extract((ROOT / target).read_text(), "run-options")
     assert table is not None
-    rows = {row[0].strip("`"): row for row in _table_rows(table)}
+    rows = {row[0].split(",")[0].strip("`"): row for row in _table_rows(table)}
     params = {p.opts[0]: p for p in _click_command(("run",)).params if p.name != "help"}
     assert set(rows) == set(params)
     for flag, param in params.items():
@@ -151,11 +151,13 @@ def test_replace_round_trips() -> None:
 
 
 def _flags_after(text: str, command: str) -> set[str]:
-    """The ``--flags`` on every line that runs ``actorserve <command>``."""
+    """The ``--flags`` on every line that runs ``actorserve <command>`` (up to a bare ``--``:
+    what follows is SGLang's)."""
     found: set[str] = set()
     for line in text.splitlines():
         for match in re.finditer(rf"actorserve {command}\b([^`|#\n]*)", line):
-            found |= set(re.findall(r"(--[a-z][a-z-]*)", match[1]))
+            ours = re.split(r"\s--(?:\s|$)", match[1])[0]
+            found |= set(re.findall(r"(--[a-z][a-z-]*)", ours))
     return found
 
 

@@ -255,6 +255,7 @@ class ProcessActor(Actor):
 
     async def stopping(self, reason: ExitReason) -> None:
         self._stopping = True
+        self._runtime.dying = True  # the child refuses new calls from now on: not running
         if self._alive():
             self.send_quietly(f.STOP, 0, msgspec.msgpack.encode((reason.kind, reason.detail or "")))
             for sig, budget in (
@@ -452,6 +453,9 @@ class ProcessActor(Actor):
 
     def _shutdown(self, error: BaseException) -> None:
         """Fail every pending call and close the socket (idempotent)."""
+        # A call made before the incarnation is unbound would fail at once (the socket is
+        # closed): ``ActorRef.is_running`` must say so meanwhile, or a router picks it.
+        self._runtime.dying = True
         self._fail_calls(error)
         self.wire.close()
         if self._pidfd is not None and not self._alive():

@@ -61,8 +61,9 @@ def configure_logging(level: str) -> None:
     )
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})
 def run(
+    ctx: typer.Context,
     config: Annotated[Path | None, typer.Option(help="TOML or YAML config file.")] = None,
     model: Annotated[
         str | None, typer.Option(help="Served model name (default: the backend's model).")
@@ -87,6 +88,26 @@ def run(
     engine_arg: Annotated[
         list[str] | None,
         typer.Option(help="KEY=VALUE passed to the engine untouched (repeatable)."),
+    ] = None,
+    prefill_engine_arg: Annotated[
+        list[str] | None,
+        typer.Option(help="KEY=VALUE for prefill engines only, over --engine-arg (repeatable)."),
+    ] = None,
+    decode_engine_arg: Annotated[
+        list[str] | None,
+        typer.Option(help="KEY=VALUE for decode (or aggregated) engines only (repeatable)."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(help="Local tokenizer folder for the frontend (default: the model's)."),
+    ] = None,
+    memory_release: Annotated[
+        bool | None,
+        typer.Option(help="SGLang: start engines able to release and resume GPU memory."),
+    ] = None,
+    kv_events: Annotated[
+        bool | None,
+        typer.Option(help="SGLang: publish KV events (default: with the kv_aware router)."),
     ] = None,
     loop: Annotated[
         str | None,
@@ -117,7 +138,11 @@ def run(
         float, typer.Option(help="Shutdown: seconds for in-flight requests.")
     ] = 30.0,
 ) -> None:
-    """Start the root process: workers, request streams and the OpenAI-compatible API."""
+    """Start the root process: workers, request streams and the OpenAI-compatible API.
+
+    With --backend sglang, SGLang's own flags follow a `--`, spelled as SGLang spells them
+    (`actorserve run --backend sglang -- --model-path M --tp 1`).
+    """
     from actors.serving.root import Serving, load_config
 
     configure_logging(log_level)
@@ -131,6 +156,9 @@ def run(
         "port": port,
         "router": router,
         "migration_limit": migration_limit,
+        "tokenizer": tokenizer,
+        "memory_release": memory_release,
+        "kv_events": kv_events,
     }
     try:
         loop = resolve_loop(loop)
@@ -139,9 +167,10 @@ def run(
         raise typer.Exit(2) from None
     try:
         cfg = load_config(config, overrides)
-        if engine_arg:
-            cfg = _with_engine_args(cfg, engine_arg)
-    except (ValueError, OSError) as exc:
+        cfg = _with_engine_args(cfg, "engine_args", engine_arg, ctx.args)
+        cfg = _with_engine_args(cfg, "prefill_engine_args", prefill_engine_arg)
+        cfg = _with_engine_args(cfg, "decode_engine_args", decode_engine_arg)
+    except (ValueError, OSError, ImportError) as exc:
         console.print(f"[red]bad configuration:[/red] {exc}")
         raise typer.Exit(2) from None
     try:
@@ -214,21 +243,36 @@ def resolve_loop(loop: str | None) -> str:
     return loop
 
 
-def _with_engine_args(cfg: Any, pairs: list[str]) -> Any:
+def _with_engine_args(
+    cfg: Any, field: str, pairs: list[str] | None, sglang_flags: list[str] | None = None
+) -> Any:
+    """``cfg`` with ``field`` (a dict of engine args) updated from ``KEY=VALUE`` pairs (values
+    read as JSON where they parse) and, for SGLang, its own flags given after ``--``."""
     import json
 
     import attrs
 
-    args = dict(cfg.engine_args)
-    for pair in pairs:
+    if not pairs and not sglang_flags:
+        return cfg
+    args = dict(getattr(cfg, field))
+    if sglang_flags:
+        if cfg.backend != "sglang":
+            raise ValueError("flags after -- are SGLang's: they need --backend sglang")
+        from actors.serving.engines import server_args_from_cli
+
+        args.update(server_args_from_cli(sglang_flags))
+    for pair in pairs or ():
         key, sep, value = pair.partition("=")
         if not sep:
-            raise ValueError(f"--engine-arg {pair!r}: expected KEY=VALUE")
+            raise ValueError(f"{pair!r}: expected KEY=VALUE")
         try:
             args[key] = json.loads(value)
         except json.JSONDecodeError:
             args[key] = value
-    return attrs.evolve(cfg, engine_args=args)
+    changes: dict[str, Any] = {field: args}
+    if cfg.model == cfg.default_model():
+        changes["model"] = ""  # not chosen: resolved again from the new args (SGLang's model path)
+    return attrs.evolve(cfg, **changes)
 
 
 @app.command()

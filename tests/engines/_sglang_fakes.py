@@ -1,13 +1,20 @@
-"""Fakes of SGLang built from the signature record, and helpers for the backend's tests.
+"""Fakes of SGLang built from the signature records, and helpers for the backend's tests.
 
-SGLang cannot run here, so every fake SGLang callable binds its arguments with an
-``inspect.Signature`` rebuilt from ``actors/serving/engines/sglang_api.json`` (a mismatch raises
-``TypeError``, as the real call would), records the call, and answers the way SGLang 0.5.x does:
-dict chunks with ``output_ids`` and ``meta_info`` (id, finish_reason{type}, prompt/completion/
-cached tokens), a ``rid_to_state`` registry whose entries become ``dispatched``, aborts that are
-lost when sent before the dispatch, ``KeyError`` on resuming an unreleased tag, and its own
-SIGTERM/SIGQUIT registrations on the loop. The fakes are handed to the backend through its
-``api`` seam; nothing of ``sglang`` is imported or patched.
+SGLang cannot run here, so the backend is tested against fakes of every SGLang version it supports,
+one per checked-in record (``actors/serving/engines/_sglang/records/<version>.json``): the
+``record`` fixture (tests/engines/conftest.py) runs each SGLang test once per record. Every fake
+SGLang callable binds its arguments with an ``inspect.Signature`` rebuilt from the record (a
+mismatch raises ``TypeError``, as the real call would), records the call, and answers the way that
+SGLang does: dict chunks with ``output_ids`` and ``meta_info`` (id, finish_reason{type}, prompt/
+completion/cached tokens), a ``rid_to_state`` registry whose entries become ``dispatched``, aborts
+that are lost when sent before the dispatch, ``KeyError`` on resuming an unreleased tag, and its own
+SIGTERM/SIGQUIT registrations on the loop. Where the versions differ, the fakes follow what the
+record says (never its version string): the ``ReqState`` abort flag (0.5.23's ``abort_sent`` sends
+one abort per request; 0.5.17's ``abort_requested`` sends every one and fails a flagged request
+before its dispatch with ``RequestAbortedError``), the ``KVEventsConfig`` fields (a field the
+record lacks is refused, since SGLang's pydantic model would silently ignore it), the sampling
+and server args. The fakes are handed to the backend through its ``api`` seam; nothing of
+``sglang`` is imported or patched.
 
 SGLang's engine is asyncio-only: on trio, each engine test asserts the backend's clear error.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import atexit
+import builtins
 import functools
 import inspect
 import json
@@ -44,13 +52,11 @@ from protocols.engine import (
     StopConditions,
 )
 
-RECORD: dict[str, Any] = json.loads(record_mod.RECORD_PATH.read_text(encoding="utf-8"))
-FAKE_HOST: str = RECORD["constants"]["FAKE_BOOTSTRAP_HOST"]["value"]
 ENGINE_DIR = Path(record_mod.__file__).parent
 BACKEND_SOURCES = [ENGINE_DIR / f for f in ("_engine.py", "_stream.py", "_config.py", "_launch.py")]
 
 # ------------------------------------------------------------------------------------------
-# Signatures rebuilt from the record
+# Signatures rebuilt from a record
 # ------------------------------------------------------------------------------------------
 
 _OPAQUE = object()  # a default the record could not spell as a literal
@@ -71,60 +77,114 @@ def rebuilt_signature(
     return inspect.Signature(out)
 
 
-SERVER_ARGS_SIG = rebuilt_signature(RECORD["classes"]["ServerArgs"]["params"], keyword_only=True)
+class Record:
+    """One checked-in record of SGLang's API, and what the fakes of that version derive from it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._classes: dict[type, type] = {}
+        self.data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        self.version: str = self.data["sglang"]["version"]
+        self.fake_host: str = self.data["constants"]["FAKE_BOOTSTRAP_HOST"]["value"]
+        self.server_args = self.class_signature("ServerArgs", keyword_only=True)
+        self.sampling_params = self.class_signature("SamplingParams", keyword_only=True)
+        self.PauseReq = self.fake_struct("PauseGenerationReqInput")
+        self.ContinueReq = self.fake_struct("ContinueGenerationReqInput")
+        self.ReleaseReq = self.fake_struct("ReleaseMemoryOccupationReqInput")
+        self.ResumeReq = self.fake_struct("ResumeMemoryOccupationReqInput")
+        self.FlushOut = self.fake_struct("FlushCacheReqOutput")
+        self.PortArgs = self.fake_struct("PortArgs", keyword_only=True)
+        self.SchedulerInitResult = self.fake_struct("SchedulerInitResult", keyword_only=True)
+        # How this SGLang's tokenizer manager marks an aborted request (ReqState's field).
+        state = self.fields("ReqState")
+        if "abort_sent" in state:
+            self.abort_flag = "abort_sent"  # one AbortReq per request, later ones are dropped
+        elif "abort_requested" in state:
+            self.abort_flag = "abort_requested"  # every abort is sent; flagged ones never dispatch
+        else:
+            raise AssertionError(f"SGLang {self.version}'s ReqState: teach the fakes its aborts")
+        self.RequestAbortedError = self.fake_exception("RequestAbortedError")
+
+    def __repr__(self) -> str:
+        return f"Record({self.version})"
+
+    def fields(self, cls: str) -> frozenset[str]:
+        return frozenset(p["name"] for p in self.data["classes"][cls]["params"])
+
+    def class_signature(self, cls: str, *, keyword_only: bool = False) -> inspect.Signature:
+        return rebuilt_signature(self.data["classes"][cls]["params"], keyword_only=keyword_only)
+
+    def fake_struct(self, name: str, *, keyword_only: bool = False) -> type:
+        """A stand-in for an SGLang struct: its constructor takes exactly the recorded fields."""
+        sig = self.class_signature(name, keyword_only=keyword_only)
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            self.__dict__.update(bound.arguments)
+
+        return type(name, (), {"__init__": __init__})
+
+    def fake_exception(self, name: str) -> type[Exception] | None:
+        """A stand-in for an SGLang exception class (its recorded bases); None where absent."""
+        entry = self.data["exceptions"][name]
+        if entry is None:
+            return None
+        bases = tuple(getattr(builtins, b) for b in entry["bases"])
+        return type(name, bases, {"__module__": entry["module"]})
+
+    def fake_class(self, cls: type) -> type:
+        """``cls`` with every method marked ``@sglang(...)`` checked against this record."""
+        if cls not in self._classes:
+            checked = {
+                attr: _checked(self, value._sglang, value)
+                for attr, value in vars(cls).items()
+                if hasattr(value, "_sglang")
+            }
+            self._classes[cls] = type(cls.__name__, (cls,), checked)
+        return self._classes[cls]
 
 
-def checked(owner: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Make a fake method bind its arguments with the recorded signature and record the call."""
-    entry = RECORD["callables"][f"{owner}.{name}"]
-    sig = rebuilt_signature(entry["params"])
+RECORDS: list[Record] = [Record(p) for p in record_mod.record_paths()]
+
+
+def sglang(owner: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a fake method as SGLang's ``owner.name`` (``Record.fake_class`` checks it)."""
 
     def deco(impl: Callable[..., Any]) -> Callable[..., Any]:
-        def bind(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-            bound = sig.bind(self, *args, **kwargs)  # TypeError: the real call would fail too
-            given = {k: v for k, v in bound.arguments.items() if k != "self"}
-            self._fake.calls.append((f"{owner}.{name}", given))
-            bound.apply_defaults()
-            return {k: v for k, v in bound.arguments.items() if k != "self"}
-
-        if entry["async"]:
-
-            @functools.wraps(impl)
-            async def async_method(self: Any, *args: Any, **kwargs: Any) -> Any:
-                return await impl(self, **bind(self, args, kwargs))
-
-            async_method.__signature__ = sig  # type: ignore[attr-defined]  # SGLang's, not impl's
-            return async_method
-
-        @functools.wraps(impl)
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return impl(self, **bind(self, args, kwargs))
-
-        method.__signature__ = sig  # type: ignore[attr-defined]
-        return method
+        impl._sglang = f"{owner}.{name}"  # type: ignore[attr-defined]
+        return impl
 
     return deco
 
 
-def fake_struct(name: str, *, keyword_only: bool = False) -> type:
-    """A stand-in for an SGLang struct: its constructor takes exactly the recorded fields."""
-    sig = rebuilt_signature(RECORD["classes"][name]["params"], keyword_only=keyword_only)
+def _checked(record: Record, key: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+    """``impl`` binding its arguments with the recorded signature and recording the call."""
+    entry = record.data["callables"][key]
+    sig = rebuilt_signature(entry["params"])
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        bound = sig.bind(*args, **kwargs)
+    def bind(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        bound = sig.bind(self, *args, **kwargs)  # TypeError: the real call would fail too
+        given = {k: v for k, v in bound.arguments.items() if k != "self"}
+        self._fake.calls.append((key, given))
         bound.apply_defaults()
-        self.__dict__.update(bound.arguments)
+        return {k: v for k, v in bound.arguments.items() if k != "self"}
 
-    return type(name, (), {"__init__": __init__})
+    if entry["async"]:
 
+        @functools.wraps(impl)
+        async def async_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await impl(self, **bind(self, args, kwargs))
 
-PauseReq = fake_struct("PauseGenerationReqInput")
-ContinueReq = fake_struct("ContinueGenerationReqInput")
-ReleaseReq = fake_struct("ReleaseMemoryOccupationReqInput")
-ResumeReq = fake_struct("ResumeMemoryOccupationReqInput")
-FlushOut = fake_struct("FlushCacheReqOutput")
-PortArgs = fake_struct("PortArgs", keyword_only=True)
-SchedulerInitResult = fake_struct("SchedulerInitResult", keyword_only=True)
+        async_method.__signature__ = sig  # type: ignore[attr-defined]  # SGLang's, not impl's
+        return async_method
+
+    @functools.wraps(impl)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return impl(self, **bind(self, args, kwargs))
+
+    method.__signature__ = sig  # type: ignore[attr-defined]
+    return method
 
 
 # ------------------------------------------------------------------------------------------
@@ -133,29 +193,37 @@ SchedulerInitResult = fake_struct("SchedulerInitResult", keyword_only=True)
 
 
 class FakeState:
-    """SGLang's ReqState: the fields the backend reads, as the record names them."""
+    """SGLang's ReqState: the fields the backend reads, and the record's abort flag."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: Record) -> None:
         self.dispatched = False
-        self.abort_sent = False
+        setattr(self, record.abort_flag, False)
         self.time_stats = types.SimpleNamespace(api_server_dispatch_finish_time=0.0)
-        self.aborted: dict[str, Any] | None = None
+        self.aborted: dict[str, Any] | None = None  # the scheduler's abort, streamed back
+
+    def flag(self, name: str) -> bool:
+        """The abort flag ``name`` (False where this version's ReqState has no such field)."""
+        return bool(getattr(self, name, False))
 
 
 class FakeSGLang:
-    """Shared state and knobs of one fake SGLang installation."""
+    """Shared state and knobs of one fake SGLang installation (of the version ``record`` names)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, record: Record) -> None:
         self.tmp = tmp
+        self.record = record
+        self.TokenizerManager = record.fake_class(FakeTokenizerManager)
+        self.Engine = type("Engine", (record.fake_class(FakeEngine),), {"_fake": self})
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.engines: list[FakeEngine] = []
         self.init_threads: list[threading.Thread] = []
         self.shutdown_threads: list[threading.Thread] = []
         self.hold_dispatch: anyio.Event | None = None  # requests wait before reaching the scheduler
+        self.held_before_dispatch: set[str] = set()  # the rids waiting for hold_dispatch now
         self.hold_first_token: anyio.Event | None = None
         self.hold_transfer: anyio.Event | None = None  # prefill: KV not yet sent
         self.rooms: list[int] = []  # bootstrap rooms registered (on dispatch)
-        self.scheduler_aborts: list[str] = []
+        self.scheduler_aborts: list[str] = []  # every AbortReq the scheduler got for its request
         self.lost_aborts: list[str] = []
         self.internal_state: dict[str, Any] = {
             "page_size": 16,
@@ -168,25 +236,32 @@ class FakeSGLang:
         }
 
     def api(self) -> SGLangAPI:
+        rec = self.record
         return SGLangAPI(
-            Engine=type("Engine", (FakeEngine,), {"_fake": self}),
-            PauseGenerationReqInput=PauseReq,
-            ContinueGenerationReqInput=ContinueReq,
-            ReleaseMemoryOccupationReqInput=ReleaseReq,
-            ResumeMemoryOccupationReqInput=ResumeReq,
-            FAKE_BOOTSTRAP_HOST=FAKE_HOST,
-            server_arg_names=frozenset(SERVER_ARGS_SIG.parameters),
-            kv_events_config_fields=frozenset(
-                p["name"] for p in RECORD["classes"]["KVEventsConfig"]["params"]
-            ),
-            version=RECORD["sglang"]["version"],
+            Engine=self.Engine,
+            PauseGenerationReqInput=rec.PauseReq,
+            ContinueGenerationReqInput=rec.ContinueReq,
+            ReleaseMemoryOccupationReqInput=rec.ReleaseReq,
+            ResumeMemoryOccupationReqInput=rec.ResumeReq,
+            RequestAbortedError=rec.RequestAbortedError,
+            FAKE_BOOTSTRAP_HOST=rec.fake_host,
+            server_arg_names=frozenset(rec.server_args.parameters),
+            kv_events_config_fields=rec.fields("KVEventsConfig"),
+            version=rec.version,
         )
+
+    def state(self) -> FakeState:
+        return FakeState(self.record)
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
 
     def args_of(self, name: str) -> list[dict[str, Any]]:
         return [args for n, args in self.calls if n == name]
+
+    def aborted_in_scheduler(self) -> list[str]:
+        """The requests the scheduler aborted, in order (SGLang 0.5.17 may send one twice)."""
+        return list(dict.fromkeys(self.scheduler_aborts))
 
 
 async def _until(cond: Callable[[], bool], state: FakeState) -> None:
@@ -195,6 +270,8 @@ async def _until(cond: Callable[[], bool], state: FakeState) -> None:
 
 
 class FakeTokenizerManager:
+    _fake: FakeSGLang
+
     def __init__(self, fake: FakeSGLang, server_args: Any) -> None:
         self._fake = fake
         self.server_args = server_args
@@ -205,7 +282,7 @@ class FakeTokenizerManager:
         self.released: set[str] = set()
         self.gracefully_exit = False
 
-    @checked("TokenizerManager", "auto_create_handle_loop")
+    @sglang("TokenizerManager", "auto_create_handle_loop")
     def auto_create_handle_loop(self) -> None:
         if self.event_loop is not None:
             return
@@ -228,55 +305,73 @@ class FakeTokenizerManager:
             await asyncio.sleep(0.05)
         raise SystemExit(0)  # what SGLang's watchdog ends in: it must never get here
 
-    @checked("TokenizerManager", "abort_request")
+    @sglang("TokenizerManager", "abort_request")
     def abort_request(self, rid: str, abort_all: bool) -> None:
-        states = list(self.rid_to_state.items()) if abort_all else []
-        if not abort_all:
-            state = self.rid_to_state.get(rid)
-            if state is None or state.abort_sent:
-                return
-            state.abort_sent = True
-            states = [(rid, state)]
-        for r, state in states:
-            if state.dispatched:
-                state.aborted = {"type": "abort", "message": "Abort in waiting queue"}
-                self._fake.scheduler_aborts.append(r)
-            else:
-                self._fake.lost_aborts.append(r)  # the tokenizer-to-scheduler gap
+        if abort_all:
+            self._abort_all({"type": "abort", "message": "Abort all"})
+            return
+        state = self.rid_to_state.get(rid)
+        if state is None:
+            return  # one tokenizer worker: an unknown rid is not sent
+        flag = self._fake.record.abort_flag
+        if flag == "abort_sent" and state.flag(flag):
+            return  # 0.5.23: one AbortReq per request
+        setattr(state, flag, True)  # 0.5.17's abort_requested: sent every time, fails it early
+        self._send_abort(rid, state)
 
-    @checked("TokenizerManager", "pause_generation")
+    def _send_abort(self, rid: str, state: FakeState) -> None:
+        if state.dispatched:
+            state.aborted = {"type": "abort", "message": "Abort in waiting queue"}
+            self._fake.scheduler_aborts.append(rid)
+        else:
+            self._fake.lost_aborts.append(rid)  # the tokenizer-to-scheduler gap
+
+    def _abort_all(self, reason: dict[str, Any]) -> None:
+        """The scheduler aborts every request it has; 0.5.17 also flags the undispatched ones."""
+        for state in self.rid_to_state.values():
+            if state.dispatched:
+                state.aborted = dict(reason)
+            elif (flag := self._fake.record.abort_flag) == "abort_requested":
+                setattr(state, flag, True)
+
+    def _raise_if_aborted(self, rid: str, state: FakeState) -> None:
+        """0.5.17's check before the dispatch: a flagged request fails with RequestAbortedError."""
+        error = self._fake.record.RequestAbortedError
+        if state.flag("abort_requested") and error is not None:
+            raise error(f"Request {rid} was aborted")
+
+    @sglang("TokenizerManager", "pause_generation")
     async def pause_generation(self, obj: Any) -> None:
         assert type(obj).__name__ == "PauseGenerationReqInput"
         assert obj.mode in ("abort", "retract", "in_place")
         self.paused = True
         if obj.mode == "abort":
-            for state in self.rid_to_state.values():
-                state.aborted = {"type": "abort", "message": "paused"}
+            self._abort_all({"type": "abort", "message": "paused"})
 
-    @checked("TokenizerManager", "continue_generation")
+    @sglang("TokenizerManager", "continue_generation")
     async def continue_generation(self, obj: Any) -> None:
         assert type(obj).__name__ == "ContinueGenerationReqInput"
         self.paused = False
 
-    @checked("TokenizerManager", "release_memory_occupation")
+    @sglang("TokenizerManager", "release_memory_occupation")
     async def release_memory_occupation(self, obj: Any, request: Any) -> None:
         for tag in obj.tags:
             if tag in self.released:
                 raise KeyError(tag)
         self.released.update(obj.tags)
 
-    @checked("TokenizerManager", "resume_memory_occupation")
+    @sglang("TokenizerManager", "resume_memory_occupation")
     async def resume_memory_occupation(self, obj: Any, request: Any) -> None:
         for tag in obj.tags:
             if tag not in self.released:
                 raise KeyError(tag)  # SGLang's scheduler crash on an unreleased tag
         self.released.difference_update(obj.tags)
 
-    @checked("TokenizerManager", "flush_cache")
+    @sglang("TokenizerManager", "flush_cache")
     async def flush_cache(self, timeout_s: float | None) -> Any:
-        return FlushOut(success=not self.rid_to_state)
+        return self._fake.record.FlushOut(success=not self.rid_to_state)
 
-    @checked("TokenizerManager", "get_internal_state")
+    @sglang("TokenizerManager", "get_internal_state")
     async def get_internal_state(self) -> list[dict[str, Any]]:
         return [dict(self._fake.internal_state)]
 
@@ -285,26 +380,28 @@ class FakeTokenizerManager:
         fake, rid = self._fake, args["rid"]
         mode = self.server_args.disaggregation_mode
         sp = dict(args["sampling_params"] or {})
-        fake_sp = rebuilt_signature(
-            RECORD["classes"]["SamplingParams"]["params"], keyword_only=True
-        )
-        fake_sp.bind(**sp)  # unknown sampling params fail, as SamplingParams(**sp) would
+        fake.record.sampling_params.bind(**sp)  # unknown ones fail, as SamplingParams(**sp) would
         prompt = list(args["input_ids"])
-        state = FakeState()
+        state = fake.state()
         self.rid_to_state[rid] = state
         try:
             await asyncio.sleep(0)  # tokenizing
             await _until(lambda: not self.paused, state)
+            self._raise_if_aborted(rid, state)
             if fake.hold_dispatch is not None:
-                await _until(fake.hold_dispatch.is_set, state)
-            if state.aborted is not None:  # aborted locally before dispatch
-                raise asyncio.CancelledError
+                fake.held_before_dispatch.add(rid)
+                try:
+                    await _until(fake.hold_dispatch.is_set, state)
+                finally:
+                    fake.held_before_dispatch.discard(rid)
+            self._raise_if_aborted(rid, state)
             state.dispatched = True
             state.time_stats.api_server_dispatch_finish_time = 1.0
             if mode == "prefill":
                 fake.rooms.append(args["bootstrap_room"])
-                if args["bootstrap_host"] != FAKE_HOST and fake.hold_transfer is not None:
-                    await _until(fake.hold_transfer.is_set, state)
+                held = fake.hold_transfer
+                if args["bootstrap_host"] != fake.record.fake_host and held is not None:
+                    await _until(held.is_set, state)
                 yield self._terminal(state, rid, prompt, [7], {"type": "length", "length": 1})
                 return
             yield {"output_ids": [], "meta_info": {"id": rid, "finish_reason": None}}  # idle tick
@@ -332,9 +429,10 @@ class FakeTokenizerManager:
                 yield {"output_ids": [token], "meta_info": meta}
                 await asyncio.sleep(0)
         except BaseException:
-            # SGLang's cleanup: abort a dispatched request, drop an undelivered one locally.
+            # SGLang's cleanup: abort a dispatched request, drop an undelivered one locally
+            # (0.5.23 aborts through abort_request, once per request; 0.5.17 sends another).
             if self.rid_to_state.get(rid) is state:
-                if state.dispatched and not state.abort_sent:
+                if state.dispatched and not state.flag("abort_sent"):
                     fake.scheduler_aborts.append(rid)
                 del self.rid_to_state[rid]
             raise
@@ -356,19 +454,49 @@ class FakeTokenizerManager:
         }
 
 
+_WILDCARDS = ("*", "::", "0.0.0.0")
+
+
+def check_kv_events_config(record: Record, config: str) -> None:
+    """What this SGLang's KV-events publisher does with ``config``: it must bind, on loopback.
+
+    SGLang's ``KVEventsConfig`` (pydantic) silently ignores a field it lacks, so the fake refuses
+    one; without ``bind`` (or with it unset) SGLang binds only wildcard, ipc and inproc endpoints,
+    and connects to any other (nobody would ever receive its events).
+    """
+    cfg = json.loads(config)
+    unknown = sorted(set(cfg) - record.fields("KVEventsConfig"))
+    if unknown:
+        raise ValueError(f"SGLang {record.version}'s KVEventsConfig would ignore {unknown}")
+    endpoint = str(cfg.get("endpoint", "tcp://*:5557"))
+    binds = cfg.get("bind")
+    if binds is None:
+        binds = any(w in endpoint for w in _WILDCARDS) or endpoint.startswith(
+            ("ipc://", "inproc://")
+        )
+    if not binds:
+        raise ValueError(f"the KV-events publisher would connect to {endpoint}, not bind it")
+    for key in ("endpoint", "replay_endpoint"):
+        if any(w in str(cfg.get(key) or "") for w in _WILDCARDS):
+            raise ValueError(f"KV events {key} {cfg[key]} listens on every interface")
+
+
 class FakeEngine:
     _fake: FakeSGLang
 
-    @checked("Engine", "__init__")
+    @sglang("Engine", "__init__")
     def __init__(self, kwargs: dict[str, Any]) -> None:
         fake = self._fake
-        bound = SERVER_ARGS_SIG.bind(**kwargs)  # unknown or missing server args fail
+        rec = fake.record
+        bound = rec.server_args.bind(**kwargs)  # unknown or missing server args fail
         bound.apply_defaults()
         args = {k: (None if v is _OPAQUE else v) for k, v in bound.arguments.items()}
+        if args.get("kv_events_config"):
+            check_kv_events_config(rec, str(args["kv_events_config"]))
         self.server_args = types.SimpleNamespace(**args)
-        self.tokenizer_manager = FakeTokenizerManager(fake, self.server_args)
+        self.tokenizer_manager = fake.TokenizerManager(fake, self.server_args)
         ipc = f"ipc://{fake.tmp}/metrics"
-        self.port_args = PortArgs(
+        self.port_args = rec.PortArgs(
             tokenizer_ipc_name="ipc://t",
             scheduler_input_ipc_name="ipc://s",
             detokenizer_ipc_name="ipc://d",
@@ -378,7 +506,7 @@ class FakeEngine:
             tokenizer_worker_ipc_name=None,
             decoupled_spec_ipc_config=None,
         )
-        self._scheduler_init_result = SchedulerInitResult(
+        self._scheduler_init_result = rec.SchedulerInitResult(
             scheduler_infos=[
                 {"status": "ready", "max_total_num_tokens": 65536, "max_req_input_len": 4000}
             ],
@@ -394,7 +522,7 @@ class FakeEngine:
         fake.engines.append(self)
         fake.init_threads.append(threading.current_thread())
 
-    @checked("Engine", "async_generate")
+    @sglang("Engine", "async_generate")
     async def async_generate(self, **args: Any) -> Any:
         if args["data_parallel_rank"] is not None:
             import warnings
@@ -403,7 +531,7 @@ class FakeEngine:
         assert args["stream"] is True
         return self.tokenizer_manager.generate(args)
 
-    @checked("Engine", "shutdown")
+    @sglang("Engine", "shutdown")
     def shutdown(self) -> None:
         self._fake.shutdown_threads.append(threading.current_thread())
 

@@ -25,9 +25,9 @@ from protocols.errors import (
     InvalidRequest,
 )
 from tests.engines._sglang_fakes import (
-    RECORD,
     FakeSGLang,
-    rebuilt_signature,
+    Record,
+    check_kv_events_config,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -75,6 +75,47 @@ def test_kv_events_config_binds_loopback_only() -> None:
     assert made["endpoint"].startswith("tcp://127.0.0.1:") and made["bind"] is True
 
 
+def test_kv_events_config_without_bind_uses_a_private_ipc_path() -> None:
+    """SGLang without ``KVEventsConfig.bind`` (0.5.17) connects to a concrete tcp host instead of
+    binding it: the publisher gets a private ipc path (one DP rank), or a clear error."""
+    made = json.loads(kv_events_config(None, 1, True, can_bind=False) or "")
+    assert made["publisher"] == "zmq" and "bind" not in made
+    assert made["endpoint"].startswith("ipc:///") and "actorserve-kv-" in made["endpoint"]
+    assert kv_events_endpoints(json.dumps(made), 1) == (made["endpoint"],)
+    other = json.loads(kv_events_config(None, 1, True, can_bind=False) or "")
+    assert other["endpoint"] != made["endpoint"]  # private to each engine
+    given = json.loads(
+        kv_events_config(
+            {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:6100"},
+            1,
+            False,
+            can_bind=False,
+        )
+        or ""
+    )
+    assert given["endpoint"].startswith("ipc://")
+    assert given["replay_endpoint"] == "tcp://127.0.0.1:6100"  # SGLang always binds replay
+    ipc = {"publisher": "zmq", "endpoint": "ipc:///tmp/kv"}
+    assert json.loads(kv_events_config(ipc, 1, False, can_bind=False) or "") == ipc
+    for raw in (None, {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}):
+        with pytest.raises(ValueError, match="dp_size > 1"):
+            kv_events_config(raw, 2, True, can_bind=False)
+    assert kv_events_config(None, 2, False, can_bind=False) is None  # no KV events, no error
+
+
+def test_kv_events_config_suits_each_recorded_sglang(record: Record) -> None:
+    """The config made for a version's fields is one its publisher binds on loopback; ``bind``
+    sent to a version without it would be silently ignored (and the publisher would connect)."""
+    can_bind = "bind" in record.fields("KVEventsConfig")
+    for raw in (None, {"publisher": "zmq", "endpoint": "tcp://*:5557"}):
+        check_kv_events_config(record, kv_events_config(raw, 1, True, can_bind=can_bind) or "")
+    if not can_bind:
+        with pytest.raises(ValueError, match="ignore"):
+            check_kv_events_config(record, kv_events_config(None, 1, True) or "")
+    with pytest.raises(ValueError, match="connect"):
+        check_kv_events_config(record, '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:1"}')
+
+
 def test_server_args_are_checked(fake: FakeSGLang) -> None:
     with pytest.raises(ValueError, match="contradicts"):
         SGLangEngine({"model_path": "m", "disaggregation_mode": "decode"}, role="prefill")
@@ -110,7 +151,7 @@ def test_server_args_are_checked(fake: FakeSGLang) -> None:
     )
 
 
-def test_sampling_params_mapping() -> None:
+def test_sampling_params_mapping(record: Record) -> None:
     req = PreprocessedRequest(
         rid="s",
         token_ids=[1],
@@ -132,7 +173,7 @@ def test_sampling_params_mapping() -> None:
         "repetition_penalty": 1.1,
         "regex": r"(a|b\.c)",
     }
-    rebuilt_signature(RECORD["classes"]["SamplingParams"]["params"], keyword_only=True).bind(**sp)
+    record.sampling_params.bind(**sp)  # every key is one of this SGLang's sampling params
     guided = sampling_params(
         PreprocessedRequest(
             rid="g",

@@ -1,4 +1,4 @@
-"""The SGLang engine backend against fakes of SGLang built from the signature record.
+"""The SGLang engine backend against fakes of SGLang built from each signature record.
 
 See tests/engines/_sglang_fakes.py for how the fakes follow the record.
 """
@@ -37,9 +37,7 @@ from protocols.errors import (
 )
 from tests.engines._sglang_fakes import (
     BOOT,
-    FAKE_HOST,
     FakeSGLang,
-    FakeState,
     collect,
     request,
     running,
@@ -64,7 +62,10 @@ async def test_start_forces_settings_and_reports_capacity(
         assert kwargs["disaggregation_mode"] == "null"
         assert kwargs["enable_metrics"] is True
         cfg = json.loads(kwargs["kv_events_config"])
-        assert cfg["bind"] is True and cfg["endpoint"].startswith("tcp://127.0.0.1:")
+        if "bind" in fake.record.fields("KVEventsConfig"):  # told to bind a loopback port
+            assert cfg["bind"] is True and cfg["endpoint"].startswith("tcp://127.0.0.1:")
+        else:  # SGLang binds only ipc (or a wildcard): a private ipc path
+            assert "bind" not in cfg and cfg["endpoint"].startswith("ipc://")
         # The launch ran in a worker thread; SGLang's handle loop was bound to this loop.
         assert fake.init_threads[0] is not threading.main_thread()
         assert fake.engines[0].tokenizer_manager.event_loop is asyncio.get_running_loop()
@@ -90,7 +91,7 @@ async def test_generate_aggregated(anyio_backend: str, fake: FakeSGLang) -> None
     fake.internal_state["dp_size"] = (
         2  # the record's routed_dp_rank is used, never the deprecated one
     )
-    async with running(anyio_backend, fake) as engine:
+    async with running(anyio_backend, fake, warmup=False) as engine:
         if engine is None:
             return
         req = request(
@@ -130,6 +131,23 @@ async def test_generate_aggregated(anyio_backend: str, fake: FakeSGLang) -> None
         assert failed.value.migratable
 
 
+@pytest.mark.parametrize("role", ["aggregated", "decode"])
+async def test_every_role_warms_up_before_it_is_ready(
+    anyio_backend: str, fake: FakeSGLang, role: str
+) -> None:
+    # Kernels compile on the warm-up, not on the first client request (which would stall).
+    async with running(anyio_backend, fake, role=role) as engine:
+        if engine is None:
+            return
+        (warm,) = fake.args_of("Engine.async_generate")
+        assert warm["rid"].startswith("warmup-") and warm["stream"] is True
+        if role == "decode":  # SGLang's fake bootstrap host: no KV transfer to wait for
+            assert warm["bootstrap_host"] == fake.record.fake_host
+        else:
+            assert "bootstrap_host" not in warm
+        assert engine.is_quiescent()
+
+
 async def test_generate_prefill_registers_the_room_before_handing_it_out(
     anyio_backend: str, fake: FakeSGLang
 ) -> None:
@@ -139,7 +157,7 @@ async def test_generate_prefill_registers_the_room_before_handing_it_out(
         # The warm-up ran at start, with SGLang's fake bootstrap host, and was drained.
         (warm,) = fake.args_of("Engine.async_generate")
         port = engine.bootstrap_port
-        assert warm["bootstrap_host"] == FAKE_HOST and warm["bootstrap_port"] == port
+        assert warm["bootstrap_host"] == fake.record.fake_host and warm["bootstrap_port"] == port
         cap = engine.capacity
         assert cap is not None and cap.bootstrap == BootstrapInfo(
             host="127.0.0.1", port=port, room=0
@@ -182,7 +200,7 @@ async def test_generate_decode_needs_the_bootstrap_triple(
 
 
 async def test_abort_before_the_first_token(anyio_backend: str, fake: FakeSGLang) -> None:
-    async with running(anyio_backend, fake) as engine:
+    async with running(anyio_backend, fake, warmup=False) as engine:
         if engine is None:
             return
         # 1. Before its generate began: it ends at once and never reaches SGLang.
@@ -212,7 +230,7 @@ async def test_abort_before_the_first_token(anyio_backend: str, fake: FakeSGLang
             await engine.abort("held")
         assert [o.finish_reason for o in results] == ["cancelled"]
         assert {"rid": "held"} in fake.args_of("TokenizerManager.abort_request")
-        assert fake.scheduler_aborts == ["held"] and "held" not in tm.rid_to_state
+        assert fake.aborted_in_scheduler() == ["held"] and "held" not in tm.rid_to_state
         # 3. Not dispatched yet (held in SGLang's tokenizer): interrupted, nothing sent or lost.
         fake.hold_first_token = None
         fake.hold_dispatch = anyio.Event()
@@ -222,7 +240,8 @@ async def test_abort_before_the_first_token(anyio_backend: str, fake: FakeSGLang
             await wait_until(lambda: "held" in tm.rid_to_state, timeout=5)
             await engine.abort("held")
         assert [o.finish_reason for o in results] == ["cancelled"]
-        assert fake.lost_aborts == [] and fake.scheduler_aborts == ["held"] and not tm.rid_to_state
+        assert fake.lost_aborts == [] and fake.aborted_in_scheduler() == ["held"]
+        assert not tm.rid_to_state
         assert engine.is_quiescent()
 
 
@@ -235,7 +254,7 @@ async def test_closing_the_stream_early_aborts_it(anyio_backend: str, fake: Fake
         assert first.token_ids == [100]
         await stream.aclose()  # type: ignore[attr-defined]
         assert fake.args_of("TokenizerManager.abort_request") == [{"rid": "c1"}]
-        assert fake.scheduler_aborts == ["c1"]
+        assert fake.aborted_in_scheduler() == ["c1"]
         tm = fake.engines[0].tokenizer_manager
         assert not tm.rid_to_state and engine.is_quiescent()
         # A consumer cancelled while it waits for the first token: SGLang's step is cancelled
@@ -249,7 +268,7 @@ async def test_closing_the_stream_early_aborts_it(anyio_backend: str, fake: Fake
                 )
                 tg.cancel_scope.cancel()
         assert not scope.cancelled_caught
-        assert fake.scheduler_aborts == ["c1", "c2"] and engine.is_quiescent()
+        assert fake.aborted_in_scheduler() == ["c1", "c2"] and engine.is_quiescent()
 
 
 async def test_closing_a_prefill_stream_after_the_bootstrap_aborts_it(
@@ -265,7 +284,7 @@ async def test_closing_a_prefill_stream_after_the_bootstrap_aborts_it(
         assert first.disaggregated_params == BOOT
         await stream.aclose()  # type: ignore[attr-defined]
         assert fake.args_of("TokenizerManager.abort_request") == [{"rid": "p"}]
-        assert fake.scheduler_aborts == ["p"] and engine.is_quiescent()
+        assert fake.aborted_in_scheduler() == ["p"] and engine.is_quiescent()
 
 
 async def test_pause_modes(anyio_backend: str, fake: FakeSGLang) -> None:
@@ -303,6 +322,63 @@ async def test_pause_modes(anyio_backend: str, fake: FakeSGLang) -> None:
         await engine.continue_generation()
         assert len(fake.args_of("TokenizerManager.continue_generation")) == 3
         assert engine.statistics().paused is None
+
+
+async def test_pause_abort_of_a_request_not_yet_dispatched(
+    anyio_backend: str, fake: FakeSGLang
+) -> None:
+    """SGLang 0.5.17's abort-mode pause flags the requests it has not dispatched yet, and each
+    then fails with its RequestAbortedError (a ValueError): it must end as an abort (draining,
+    migratable), never as the client's invalid request. Newer SGLang leaves such a request
+    waiting; it runs once generation continues."""
+    async with running(anyio_backend, fake) as engine:
+        if engine is None:
+            return
+        fails_early = fake.record.RequestAbortedError is not None
+        fake.hold_dispatch = anyio.Event()
+        results: list[EngineOutput] = []
+        errors: list[WorkerDraining] = []
+
+        async def consume() -> None:
+            try:
+                await collect(engine.generate(request("q", n=2)), results)
+            except WorkerDraining as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await wait_until(lambda: "q" in fake.held_before_dispatch, timeout=5)
+            await engine.pause(PauseMode.ABORT)
+            fake.hold_dispatch.set()
+            if fails_early:
+                await wait_until(lambda: bool(errors), timeout=5)  # while still paused
+            await engine.continue_generation()
+        if fails_early:
+            assert len(errors) == 1 and errors[0].migratable and results == []
+        else:
+            assert errors == [] and [o.finish_reason for o in results] == [None, "length"]
+        tm = fake.engines[0].tokenizer_manager
+        assert fake.scheduler_aborts == [] and not tm.rid_to_state and engine.is_quiescent()
+
+
+async def test_kv_events_for_several_dp_ranks(anyio_backend: str, fake: FakeSGLang) -> None:
+    """One loopback tcp port per DP rank where SGLang can be told to bind one; where it cannot
+    (no ``KVEventsConfig.bind``), a clear error at start, before SGLang is launched."""
+    server_args = {"model_path": "/models/tiny", "dp_size": 2}
+    if anyio_backend == "trio" or "bind" in fake.record.fields("KVEventsConfig"):
+        fake.internal_state["dp_size"] = 2
+        async with running(anyio_backend, fake, server_args=server_args, kv_events=True) as eng:
+            if eng is None:
+                return
+            assert eng.capacity is not None
+            endpoints = eng.capacity.kv_events_endpoints
+            assert len(endpoints) == 2 and all(e.startswith("tcp://127.0.0.1:") for e in endpoints)
+        return
+    engine = SGLangEngine(server_args, api=fake.api(), kv_events=True)
+    with pytest.raises(ValueError, match="dp_size > 1"):
+        await engine.start()
+    await engine.cleanup()
+    assert fake.engines == []
 
 
 async def test_release_and_resume_memory(anyio_backend: str, fake: FakeSGLang) -> None:
@@ -351,7 +427,7 @@ async def test_flush_cache(anyio_backend: str, fake: FakeSGLang) -> None:
         if engine is None:
             return
         assert await engine.flush_cache() is True
-        fake.engines[0].tokenizer_manager.rid_to_state["busy"] = FakeState()
+        fake.engines[0].tokenizer_manager.rid_to_state["busy"] = fake.state()
         assert await engine.flush_cache() is False
         del fake.engines[0].tokenizer_manager.rid_to_state["busy"]
 
@@ -373,7 +449,7 @@ async def test_health_payloads(anyio_backend: str, fake: FakeSGLang) -> None:
         canary = engine.health_payload()
         assert canary.token_ids == [1]
         assert canary.bootstrap_info == BootstrapInfo(
-            host=FAKE_HOST, port=engine.bootstrap_port, room=0
+            host=fake.record.fake_host, port=engine.bootstrap_port, room=0
         )
         outs = await collect(engine.generate(canary))
         assert outs[-1].finish_reason == "length"

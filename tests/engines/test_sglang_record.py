@@ -1,5 +1,5 @@
-"""The signature record of SGLang's API: well formed, covering every call the backend makes,
-reproducible.
+"""The signature records of SGLang's API (one per supported SGLang version): well formed,
+covering every call the backend makes, reproducible, and never read by the backend itself.
 
 See tests/engines/_sglang_fakes.py for how the fakes follow the record.
 """
@@ -23,7 +23,9 @@ from actors.serving.engines._sglang._metrics import (
 )
 from tests.engines._sglang_fakes import (
     BACKEND_SOURCES,
-    RECORD,
+    ENGINE_DIR,
+    RECORDS,
+    Record,
     rebuilt_signature,
 )
 
@@ -32,16 +34,30 @@ from tests.engines._sglang_fakes import (
 # ------------------------------------------------------------------------------------------
 
 
-def test_record_is_well_formed() -> None:
-    assert RECORD["format"] == record_mod.FORMAT
-    assert RECORD["sglang"]["version"].startswith("0.5.")
-    assert RECORD["sglang"]["method"] in ("ast", "inspect")
-    assert set(RECORD["callables"]) == set(record_mod.CALLABLES)
-    assert set(RECORD["classes"]) == set(record_mod.CLASSES)
-    assert set(RECORD["constants"]) == set(record_mod.CONSTANTS)
+def test_records_are_checked_in_per_version() -> None:
+    """0.5.17 (the SGLang that runs on the GPU hosts) and the newest recorded API, each named by
+    its version, oldest first."""
+    versions = [r.version for r in RECORDS]
+    assert "0.5.17" in versions and len(versions) >= 2
+    assert versions == sorted(versions, key=lambda v: tuple(int(p) for p in v.split(".")))
+    for r in RECORDS:
+        assert r.path == record_mod.record_path(r.version)
+
+
+def test_record_is_well_formed(record: Record) -> None:
+    rec = record.data
+    assert rec["format"] == record_mod.FORMAT
+    assert rec["sglang"]["version"].startswith("0.5.")
+    assert rec["sglang"]["method"] in ("ast", "inspect")
+    assert set(rec["callables"]) == set(record_mod.CALLABLES)
+    assert set(rec["classes"]) == set(record_mod.CLASSES)
+    assert set(rec["constants"]) == set(record_mod.CONSTANTS)
+    assert set(rec["exceptions"]) == set(record_mod.EXCEPTIONS)
+    for entry in rec["exceptions"].values():  # null: this version has no such class
+        assert entry is None or (entry["module"].startswith("sglang.") and entry["bases"])
     kinds = {k.name for k in inspect._ParameterKind}
     for section in ("callables", "classes"):
-        for key, entry in RECORD[section].items():
+        for key, entry in rec[section].items():
             assert entry["module"].startswith("sglang."), key
             for p in entry["params"]:
                 assert p["kind"] in kinds and isinstance(p["has_default"], bool), (key, p)
@@ -49,23 +65,20 @@ def test_record_is_well_formed() -> None:
                     ast.literal_eval(p["default"])
             names = [p["name"] for p in entry["params"]]
             assert len(names) == len(set(names)), key
-    for entry in RECORD["callables"].values():
+    for entry in rec["callables"].values():
         assert isinstance(entry["async"], bool)
         rebuilt_signature(entry["params"])  # a valid signature
     # What the backend relies on beyond call signatures.
-    kv = [p["name"] for p in RECORD["classes"]["KvMetrics"]["params"]]
+    kv = [p["name"] for p in rec["classes"]["KvMetrics"]["params"]]
     assert tuple(kv) == KV_METRICS_FIELDS
-    assert {"dispatched", "time_stats"} <= {
-        p["name"] for p in RECORD["classes"]["ReqState"]["params"]
-    }
-    assert "bind" in {p["name"] for p in RECORD["classes"]["KVEventsConfig"]["params"]}
-    assert "metrics_ipc_name" in {p["name"] for p in RECORD["classes"]["PortArgs"]["params"]}
-    assert "scheduler_infos" in {
-        p["name"] for p in RECORD["classes"]["SchedulerInitResult"]["params"]
-    }
-    assert RECORD["callables"]["TokenizerManager.pause_generation"]["async"] is True
-    assert RECORD["callables"]["TokenizerManager.abort_request"]["async"] is False
-    assert RECORD["callables"]["Engine.release_memory_occupation"]["async"] is False
+    assert {"dispatched", "time_stats"} <= record.fields("ReqState")
+    # kv_events_config sets these; ``bind`` only where the version has it (0.5.23, not 0.5.17).
+    assert {"publisher", "endpoint", "replay_endpoint"} <= record.fields("KVEventsConfig")
+    assert "metrics_ipc_name" in {p["name"] for p in rec["classes"]["PortArgs"]["params"]}
+    assert "scheduler_infos" in {p["name"] for p in rec["classes"]["SchedulerInitResult"]["params"]}
+    assert rec["callables"]["TokenizerManager.pause_generation"]["async"] is True
+    assert rec["callables"]["TokenizerManager.abort_request"]["async"] is False
+    assert rec["callables"]["Engine.release_memory_occupation"]["async"] is False
 
 
 _RECEIVERS = {
@@ -105,7 +118,8 @@ def _sglang_uses(path: Path) -> tuple[set[str], set[str]]:
     return calls, reads
 
 
-def test_record_covers_every_sglang_call_the_backend_makes() -> None:
+def test_record_covers_every_sglang_call_the_backend_makes(record: Record) -> None:
+    rec = record.data
     calls: set[str] = set()
     reads: set[str] = set()
     for path in BACKEND_SOURCES:
@@ -118,16 +132,16 @@ def test_record_covers_every_sglang_call_the_backend_makes() -> None:
         if call.startswith("api."):
             name = call.removeprefix("api.")
             key = "Engine.__init__" if name == "Engine" else name
-            assert key in RECORD["callables"] or key in RECORD["classes"], call
+            assert key in rec["callables"] or key in rec["classes"], call
         else:
-            assert call in RECORD["callables"], f"{call} is not in sglang_api.json"
+            assert call in rec["callables"], f"{call} is not in {record.path.name}"
     for read in reads:
         owner, attr = read.split(".", 1)
-        known = RECORD["attributes"][owner] + [
-            k.split(".", 1)[1] for k in RECORD["callables"] if k.startswith(owner + ".")
+        known = rec["attributes"][owner] + [
+            k.split(".", 1)[1] for k in rec["callables"] if k.startswith(owner + ".")
         ]
-        assert attr in known, f"{read} is not in sglang_api.json"
-    # Engine's synchronous wrappers must never be called (see _sglang.py).
+        assert attr in known, f"{read} is not in {record.path.name}"
+    # Engine's synchronous wrappers must never be called (see _engine.py).
     for sync in (
         "flush_cache",
         "get_server_info",
@@ -182,6 +196,9 @@ def source_tree(tmp_path: Path) -> Path:
         "srt/managers/tokenizer_manager.py": """
             import dataclasses
             from .mixin import ControlMixin
+
+            class RequestAbortedError(ValueError):
+                pass
 
             @dataclasses.dataclass
             class ReqState:
@@ -313,6 +330,12 @@ def test_record_is_reproducible_from_a_source_tree(source_tree: Path) -> None:
     ]
     assert rec["classes"]["KVEventsConfig"]["params"][0]["kind"] == "KEYWORD_ONLY"
     assert rec["constants"]["FAKE_BOOTSTRAP_HOST"]["value"] == "9.9.9.9"
+    assert rec["exceptions"] == {
+        "RequestAbortedError": {
+            "module": "sglang.srt.managers.tokenizer_manager",
+            "bases": ["ValueError"],
+        }
+    }
     assert rec["attributes"]["TokenizerManager"] == [
         "asyncio_tasks",
         "event_loop",
@@ -356,11 +379,67 @@ def test_record_from_an_importable_sglang_matches_the_source_reading(source_tree
     for name in ("PauseGenerationReqInput", "FlushCacheReqOutput", "KvMetrics", "PortArgs"):
         assert inspected["classes"][name] == read["classes"][name], name
     assert inspected["constants"] == read["constants"]
+    assert inspected["exceptions"] == read["exceptions"]
     assert inspected["attributes"] == read["attributes"]
 
 
+def test_a_record_is_written_under_its_version(
+    source_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``--output`` the record goes to ``records/<version>.json``; a version that lacks a
+    recorded exception says ``null``."""
+    records = tmp_path / "records"
+    monkeypatch.setattr(record_mod, "RECORDS_DIR", records)
+    (source_tree / "python/sglang/srt/managers/tokenizer_manager.py").write_text(
+        (source_tree / "python/sglang/srt/managers/tokenizer_manager.py")
+        .read_text(encoding="utf-8")
+        .replace("class RequestAbortedError(ValueError):\n    pass\n", ""),
+        encoding="utf-8",
+    )
+    lines: list[str] = []
+    assert record_mod.main(["--from-source", str(source_tree)], out=lines.append) == 0
+    assert record_mod.record_paths() == [records / "0.5.99.json"]
+    rec = json.loads((records / "0.5.99.json").read_text(encoding="utf-8"))
+    assert rec["exceptions"] == {"RequestAbortedError": None}
+    check = ["--from-source", str(source_tree), "--check"]
+    assert record_mod.main(check, out=lines.append) == 0
+    (records / "0.5.99.json").unlink()
+    assert record_mod.main(check, out=lines.append) == 1
+    assert lines[-1].endswith("0.5.99.json is out of date")
+
+
+def test_the_backend_never_reads_the_records() -> None:
+    """Only the tests read the records: at run time the backend inspects the live SGLang."""
+    tools = {"_record.py", "_source.py"}
+    for path in sorted(ENGINE_DIR.glob("*.py")):
+        if path.name in tools:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom | ast.Import)
+            for alias in node.names
+        } | {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not {n for n in imported if n.split(".")[-1] in {"_record", "_source"}}, path
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        strings = [
+            n.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+        ]
+        assert not [v for v in strings if "records" in v or ".json" in v], path
+
+
 def test_importing_the_backend_does_not_import_sglang() -> None:
-    """Importing the backend (and constructing an engine) must not import SGLang."""
+    """Importing the backend (and constructing an engine) must not import SGLang, nor the record
+    writer."""
     code = (
         "import sys\n"
         "class NoSGLang:\n"
@@ -369,8 +448,9 @@ def test_importing_the_backend_does_not_import_sglang() -> None:
         "            raise ImportError('sglang imported')\n"
         "sys.meta_path.insert(0, NoSGLang())\n"
         "from actors.serving.engines._sglang import SGLangEngine\n"
-        "import actors.serving.engines._sglang._metrics, actors.serving.engines._sglang._record\n"
         "SGLangEngine({'model_path': 'm'}, role='prefill')\n"
+        "assert 'actors.serving.engines._sglang._record' not in sys.modules  # tests' only\n"
+        "import actors.serving.engines._sglang._metrics, actors.serving.engines._sglang._record\n"
         "assert not any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

@@ -1,5 +1,6 @@
-"""Schemathesis over the app's own OpenAPI schema: no input makes it answer 5xx or hang, and
-every answer is the documented one.
+"""Schemathesis over the app's own OpenAPI schema: no input makes it answer 5xx or hang, every
+answer is the documented one, and every field the schema allows is served (or refused only for a
+limit no schema states), whole numbers written as floats too.
 
 The app runs under our server on 127.0.0.1 (in an event loop thread this module owns), and every
 generated request goes over a real connection.
@@ -7,6 +8,8 @@ generated request goes over a real connection.
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +17,7 @@ import pytest
 import requests
 import schemathesis
 from anyio.from_thread import start_blocking_portal
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from prometheus_client import CollectorRegistry
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -25,6 +28,7 @@ from schemathesis.specs.openapi.checks import (
 
 from actors.serving.frontend import create_app
 from actors.serving.testing import MODEL, FakeBackend
+from tests.frontend._http import CHAT, COMPLETIONS
 from tests.frontend.conftest import served
 
 # No 5xx, and every response matches the documented status codes, content types and shapes (the
@@ -67,3 +71,89 @@ def test_no_input_gets_a_5xx_or_hangs(case: schemathesis.Case[Any], fuzz_url: st
         case.body["model"] = MODEL
     with requests.Session() as session:
         case.call_and_validate(base_url=fuzz_url, session=session, checks=CHECKS, timeout=10)
+
+
+#: What a schema-valid body may still be refused for, as ``(param, code)``: limits that depend on
+#: the prompt's tokens or tie two fields together, which no JSON schema states.
+SEMANTIC_REFUSALS = {
+    ("messages", "context_length_exceeded"),
+    ("prompt", "context_length_exceeded"),
+    ("min_tokens", "request.invalid"),  # above max_tokens
+}
+JSON = {"content-type": "application/json"}
+BODIES = {
+    path: app.openapi()["paths"][path]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]["$ref"].rpartition("/")[2]
+    for path in (CHAT, COMPLETIONS)
+}
+FIELDS = [
+    (path, field)
+    for path, body in BODIES.items()
+    for field in app.openapi()["components"]["schemas"][body]["properties"]
+]
+
+
+def _requiring(path: str, field: str) -> schemathesis.APIOperation[Any, Any, Any, Any]:
+    """The operation at ``path``, from a copy of the app's schema where ``field`` is required, so
+    that every generated body has it."""
+    spec = copy.deepcopy(app.openapi())
+    body = spec["components"]["schemas"][BODIES[path]]
+    body["required"] = [*body.get("required", ()), field]
+    return schemathesis.openapi.from_dict(spec)[path]["POST"]
+
+
+def _with_whole_floats(value: Any) -> str:
+    """``value`` as JSON text, with every int written as a float (``8`` as ``8.0``)."""
+    if isinstance(value, bool) or not isinstance(value, int | list | dict):
+        return json.dumps(value)
+    if isinstance(value, int):
+        return f"{value}.0"
+    if isinstance(value, list):
+        return "[" + ",".join(_with_whole_floats(item) for item in value) + "]"
+    items = (f"{json.dumps(key)}:{_with_whole_floats(item)}" for key, item in value.items())
+    return "{" + ",".join(items) + "}"
+
+
+def _outcome(response: requests.Response) -> tuple[int, str | None, str | None]:
+    """Status, and the refused field and code; a 200 stream must end well."""
+    if response.status_code == 200:
+        if response.headers["content-type"].startswith("text/event-stream"):
+            assert "event: error" not in response.text, response.text
+            assert response.text.rstrip().endswith("data: [DONE]"), response.text
+        return 200, None, None
+    error = response.json()["error"]
+    return response.status_code, error["param"], error["code"]
+
+
+@pytest.mark.parametrize(("path", "field"), FIELDS, ids=[f"{p}:{f}" for p, f in FIELDS])
+def test_every_field_the_schema_allows_is_served_or_refused_for_a_stated_reason(
+    path: str, field: str, fuzz_url: str
+) -> None:
+    """Schema-valid bodies holding ``field`` are answered 200, or refused only for a limit the
+    schema cannot state; and the same, whole numbers written as floats (JSON Schema's integers
+    too)."""
+
+    @settings(
+        max_examples=5,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=_requiring(path, field).as_strategy())
+    def check(case: schemathesis.Case[Any]) -> None:
+        body = case.body
+        assert isinstance(body, dict)
+        if field != "model":
+            body["model"] = MODEL
+        as_is = session.post(url, data=json.dumps(body), headers=JSON, timeout=10)
+        floats = session.post(url, data=_with_whole_floats(body), headers=JSON, timeout=10)
+        outcome = _outcome(as_is)
+        if outcome[0] != 200:
+            assert outcome[1:] in SEMANTIC_REFUSALS or outcome == (404, "model", "model_not_found")
+        assert _outcome(floats) == outcome
+
+    url = fuzz_url + path
+    with requests.Session() as session:
+        check()

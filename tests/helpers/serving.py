@@ -61,7 +61,9 @@ class Tree:
 
 
 @asynccontextmanager
-async def serving_tree(budgets: Budgets | None = None, **overrides: Any) -> AsyncIterator[Tree]:
+async def serving_tree(
+    budgets: Budgets | None = None, ready_timeout: float = 30, **overrides: Any
+) -> AsyncIterator[Tree]:
     """The root's children (model subtree, frontend, lifecycle) in this event loop.
 
     The backend is the mock unless ``backend`` says otherwise (ServeConfig's own default is the
@@ -77,7 +79,7 @@ async def serving_tree(budgets: Budgets | None = None, **overrides: Any) -> Asyn
     children = serving_children(serving, options, lambda: None)
     async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)) as root:
         tree = Tree(root, serving)
-        await tree.wait_ready()
+        await tree.wait_ready(timeout=ready_timeout)
         yield tree
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 import pytest
@@ -17,9 +18,9 @@ class Timetrap(Exception):
     """The test ran past its timetrap (a hang)."""
 
 
-@pytest.fixture(autouse=True)
-def _timetrap(request: pytest.FixtureRequest) -> Iterator[None]:
-    seconds = SLOW_TIMETRAP_S if request.node.get_closest_marker("slow") else TIMETRAP_S
+@contextmanager
+def timetrap(seconds: int) -> Iterator[None]:
+    """Raise :class:`Timetrap` in the main thread if the block runs past ``seconds``."""
 
     def on_alarm(signum: int, frame: FrameType | None) -> None:
         raise Timetrap(f"test still running after {seconds} s: a hang")
@@ -31,3 +32,9 @@ def _timetrap(request: pytest.FixtureRequest) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(autouse=True)
+def _timetrap(request: pytest.FixtureRequest) -> Iterator[None]:
+    with timetrap(SLOW_TIMETRAP_S if request.node.get_closest_marker("slow") else TIMETRAP_S):
+        yield

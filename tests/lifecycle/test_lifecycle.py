@@ -23,9 +23,12 @@ from actors.serving.root._lifecycle import (
     LifecycleError,
     Release,
     Resume,
+    UndrainWorker,
     WorkerStates,
 )
 from actors.serving.root._root import wait_healthy
+from actors.serving.worker._health import CANARIES
+from actors.testing import wait_until
 from protocols import control
 from protocols.engine import MemoryTag
 from tests.helpers.serving import serving_tree, start_root
@@ -110,6 +113,38 @@ async def test_release_and_resume_under_load_frees_memory_and_fails_nothing() ->
         assert tree.serving.table.workers["decode-0"].routable
         # Resume without a release is an ok no-op.
         await tree.lifecycle.ask(Resume(worker="decode-0"), timeout=None)
+
+
+def _canaries(worker: str, outcome: str) -> float:
+    return sum(
+        s.value
+        for s in next(iter(CANARIES.collect())).samples
+        if s.name.endswith("_total") and s.labels == {"worker": worker, "outcome": outcome}
+    )
+
+
+async def test_a_worker_held_out_of_service_is_not_failed_by_its_health_checks() -> None:
+    # Canaries every 0.2 s idle, failed after two: a drain or a release held for seconds would
+    # fail a worker whose checker canaried it anyway (and restart it under its operator).
+    async with serving_tree(
+        mode="aggregated", decode_workers=2, health_idle_after=0.2, health_failures=2
+    ) as tree:
+        pid = (await tree.engine_stats("decode-0")).pid
+        failed = _canaries("decode-0", "error") + _canaries("decode-0", "timeout")
+        await tree.lifecycle.ask(DrainWorker("decode-0"), timeout=None)
+        await anyio.sleep(2.0)  # many check intervals out of service
+        await tree.lifecycle.ask(UndrainWorker("decode-0"), timeout=None)
+        await tree.lifecycle.ask(
+            Release(worker="decode-0", tags=(MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)), timeout=None
+        )
+        await anyio.sleep(2.0)
+        await tree.lifecycle.ask(Resume(worker="decode-0"), timeout=None)
+        assert (await tree.engine_stats("decode-0")).pid == pid
+        assert _canaries("decode-0", "error") + _canaries("decode-0", "timeout") == failed
+        assert tree.serving.table.workers["decode-0"].routable
+        # Back in service, it is checked again, and passes.
+        passed = _canaries("decode-0", "ok")
+        await wait_until(lambda: _canaries("decode-0", "ok") > passed)
 
 
 async def test_partial_resume_keeps_the_worker_out_of_routing() -> None:

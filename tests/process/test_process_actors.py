@@ -21,6 +21,7 @@ import pytest
 
 from actors import ActorCrashed, AskTimeout, ReplyError
 from actors.process import LinkBroken, ProcessDied, ProcessOptions, Transport
+from actors.testing import wait_until
 from protocols.codec import CodecError
 from supervisors import (
     Backoff,
@@ -440,6 +441,28 @@ async def test_graceful_stop_over_sigterm_and_sigkill_escalation(transport: Tran
         pid = await _pid(ref)
         os.kill(pid, signal.SIGSTOP)  # it can answer neither the stop request nor SIGTERM
         await sup.terminate_child("echo")
+        await _wait_gone([pid])
+
+
+async def test_a_process_actor_being_stopped_is_no_longer_running() -> None:
+    # From the start of its stop it refuses new calls: a router reading is_running (the routing
+    # view) must not pick it while its incarnation is still being torn down.
+    opts = ProcessOptions(heartbeat_interval=0.05, heartbeat_timeout=60, stop_timeout=60)
+    async with open_supervisor([process_child("echo", ECHO, options=opts)]) as sup:
+        ref = await sup.child("echo")
+        pid = await _pid(ref)
+        os.kill(pid, signal.SIGSTOP)  # its stop waits until it runs again
+        stopped = anyio.Event()
+
+        async def stop() -> None:
+            await sup.terminate_child("echo")
+            stopped.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop)
+            await wait_until(lambda: not ref.is_running)
+            assert not stopped.is_set()
+            os.kill(pid, signal.SIGCONT)
         await _wait_gone([pid])
 
 

@@ -8,7 +8,9 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 
+from actors.testing import wait_until
 from protocols import control
 from tests.helpers.serving import Tree, serving_tree
 from tests.serving.test_e2e import _stream_text
@@ -97,4 +99,59 @@ async def test_client_cancel_during_transfer_frees_both_sides() -> None:
         async with httpx.AsyncClient(base_url=tree.url) as client:
             with anyio.move_on_after(0.3):
                 await _stream_text(client, "a long prompt " * 100, 200)
+        await _quiet(tree)
+
+
+@pytest.mark.parametrize("prefill_workers", [1, 2])
+async def test_prefill_killed_while_decode_waits_for_its_kv(prefill_workers: int) -> None:
+    prompt = "a prompt whose prefill dies during its KV handshake " * 3
+    # The request's deadline is far below decode's own KV receive timeout: it must move on
+    # when its prefill dies, not when decode gives up waiting.
+    async with serving_tree(
+        mode="disaggregated",
+        prefill_workers=prefill_workers,
+        decode_workers=2,
+        request_timeout=20.0,
+    ) as tree:
+        table = tree.serving.table
+        tokens = tree.serving.tokenizer.encode(prompt)
+        prefills = [w for w, role in tree.serving.roles.items() if role == "prefill"]
+        decodes = [w for w, role in tree.serving.roles.items() if role == "decode"]
+
+        async def received() -> int:
+            return sum([(await tree.engine_stats(w)).kv_received_tokens for w in decodes])
+
+        async with httpx.AsyncClient(base_url=tree.url) as client:
+            expected = await _stream_text(client, prompt, 40)
+            # The prefill that cached the prompt gets it again (kv_aware routing).
+            await wait_until(lambda: any(table.overlap(w, tokens) for w in prefills))
+            victim = next(w for w in prefills if table.overlap(w, tokens))
+            victim_pid = (await tree.engine_stats(victim)).pid
+            received_before = await received()
+            # Its next prefill never sends the KV: decode waits in the handshake until it dies.
+            await tree.engine(victim).ask(control.InjectFault("hold_kv"))
+            result: dict[str, Any] = {}
+
+            async def one() -> None:
+                result.update(await _stream_text(client, prompt, 40))
+
+            async def in_handshake() -> bool:
+                # The prefill streamed its token and holds the KV; a decode worker's pages
+                # wait for it.
+                if (await tree.engine_stats(victim)).streaming < 1:
+                    return False
+                return any([(await tree.engine_stats(w)).transfer_pages > 0 for w in decodes])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one)
+                await wait_until(in_handshake)
+                os.kill(victim_pid, signal.SIGKILL)
+        assert result["error"] is None, result["error"]
+        assert (result["text"], result["finish"]) == (expected["text"], expected["finish"])
+        assert result["usage"]["completion_tokens"] == 40
+        if prefill_workers > 1:
+            # Prefilled again on the live prefill worker: its KV reached a decode worker.
+            assert await received() > received_before
+        await tree.wait_ready()
+        assert (await tree.engine_stats(victim)).pid != victim_pid
         await _quiet(tree)

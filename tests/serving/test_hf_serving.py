@@ -104,7 +104,13 @@ async def _generate(tree: Tree, prompt: list[int], max_tokens: int, into: list[i
     assert streams is not None
     serving = tree.serving
     request = _request(tree, prompt, max_tokens)
-    outputs = open_request(SupervisorRef(streams), serving.table, serving.admission, request)
+    outputs = open_request(
+        SupervisorRef(streams),
+        serving.table,
+        serving.admission,
+        request,
+        timeout=serving.config.request_timeout,
+    )
     try:
         async for output in outputs:
             into.extend(output.token_ids)

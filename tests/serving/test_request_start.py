@@ -17,15 +17,15 @@ import anyio
 import httpx
 import pytest
 
-from actors import ReplyError, current_registry
+from actors import Actor, ReplyError, current_registry
 from actors.serving import ModelService
 from actors.serving.frontend import ModelInfo
-from actors.serving.requests import open_request
+from actors.serving.requests import Admission, RequestOutputs, open_request
 from actors.serving.requests._outputs import NextAttempt
 from actors.testing import hang
 from protocols import PreprocessedRequest, SamplingOptions, StopConditions
 from protocols.errors import RequestTimeout
-from supervisors import SupervisorRef
+from supervisors import ChildSpec, SupervisorFlags, SupervisorRef, open_supervisor
 from tests.helpers.serving import Tree, serving_tree
 from tests.serving.test_disaggregated import DISAGG, _quiet
 from tests.serving.test_e2e import _stream_text
@@ -39,7 +39,8 @@ def _streams(tree: Tree) -> SupervisorRef:
 
 def _service(tree: Tree) -> ModelService:
     model = ModelInfo("mock", 4096, tree.serving.tokenizer)
-    return ModelService(model, _streams(tree), tree.serving.table)
+    timeout = tree.serving.config.request_timeout
+    return ModelService(model, _streams(tree), tree.serving.table, request_timeout=timeout)
 
 
 def _request(rid: str, max_tokens: int = 200) -> PreprocessedRequest:
@@ -65,7 +66,9 @@ async def _settled(tree: Tree) -> None:
 async def test_a_stream_whose_consumer_gave_up_before_it_ran_ends_at_once() -> None:
     async with serving_tree(mode="aggregated", decode_workers=1) as tree:
         streams, admission = _streams(tree), tree.serving.admission
-        outputs = open_request(streams, tree.serving.table, admission, _request("gone"))
+        outputs = open_request(
+            streams, tree.serving.table, admission, _request("gone"), timeout=600.0
+        )
         outputs.close()  # the consumer gives up before the stream has run
         assert admission.inflight == 0
         with pytest.raises(ReplyError):
@@ -218,7 +221,11 @@ async def test_a_hung_stream_actor_cannot_hold_its_client_past_the_deadline() ->
         mode="aggregated", decode_workers=1, request_timeout=0.5, migration_limit=3
     ) as tree:
         outputs = open_request(
-            _streams(tree), tree.serving.table, tree.serving.admission, _request("hung", 4000)
+            _streams(tree),
+            tree.serving.table,
+            tree.serving.admission,
+            _request("hung", 4000),
+            timeout=0.5,
         )
         try:
             await outputs.__anext__()  # the first output: the stream actor owns the request
@@ -231,3 +238,24 @@ async def test_a_hung_stream_actor_cannot_hold_its_client_past_the_deadline() ->
                     pass
         finally:
             outputs.close()
+
+
+class _Streams(Actor):
+    """A stand-in for the streams supervisor (it is only ever hung here)."""
+
+
+async def test_a_hung_streams_supervisor_cannot_hold_a_new_request_past_its_deadline() -> None:
+    # The first ask (start the stream actor, take the request) has the request's deadline too.
+    spec = ChildSpec("streams", _Streams, shutdown=0.1)
+    async with open_supervisor([spec], SupervisorFlags()) as root:
+        streams = await root.child("streams")
+        await hang(streams)
+        admission = Admission()
+        admission.enter()
+        outputs = RequestOutputs(SupervisorRef(streams), _request("unstarted"), admission, 0.5)
+        try:
+            with pytest.raises(RequestTimeout), anyio.fail_after(30):
+                await outputs.__anext__()
+        finally:
+            outputs.close()
+        assert admission.inflight == 0

@@ -93,6 +93,7 @@ if TYPE_CHECKING:
     from actors.serving.engines._sglang import (
         SGLangEngine,
         SGLangMetricsReader,
+        server_args_from_cli,
     )
 
 # Backends with heavy or GPU-only dependencies load on first use: importing actorserve never
@@ -119,6 +120,7 @@ _LAZY = {
     ),
     "SGLangEngine": "actors.serving.engines._sglang",
     "SGLangMetricsReader": "actors.serving.engines._sglang",
+    "server_args_from_cli": "actors.serving.engines._sglang",
 }
 
 
@@ -167,4 +169,5 @@ __all__ = [
     "page_content",
     "pages_needed",
     "resolve_device",
+    "server_args_from_cli",
 ]

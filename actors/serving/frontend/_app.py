@@ -31,7 +31,6 @@ from ._errors import (
     http_exception_response,
     internal_error_handler,
     internal_error_response,
-    invalid,
 )
 from ._mapping import build_request, chat_prompt, completion_prompt, guided_decoding
 from ._metrics import FrontendMetrics, RequestMetrics
@@ -68,6 +67,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 404, 499, 500, 503)
 }
 
+#: Where the published schema keeps its models, for the ``$ref`` of a model's own JSON schema.
+_REF_TEMPLATE = "#/components/schemas/{model}"
 
 #: One event of a completion stream: ``data`` is a JSON chunk, an error object (``event: error``)
 #: or ``[DONE]``.
@@ -179,15 +180,23 @@ class _App(FastAPI):
             await self.door.serve(route, scope, receive, send)
 
     def openapi(self) -> dict[str, Any]:
-        """FastAPI's schema, with the door's routes in it."""
+        """FastAPI's schema, with the door's routes in it, whose request bodies are their models'
+        own JSON schemas: FastAPI's OpenAPI model makes every bound a float, so ``le=2**63 - 1``
+        would be published as 2**63, a value the models refuse."""
         if not self.openapi_schema:
-            self.openapi_schema = get_openapi(
+            schema = get_openapi(
                 title=self.title,
                 version=self.version,
                 openapi_version=self.openapi_version,
                 description=self.description,
                 routes=[*self.documented, *self.routes],
             )
+            components = schema["components"]["schemas"]
+            for route in self.door.routes.values():
+                exact = route.model.model_json_schema(ref_template=_REF_TEMPLATE)
+                components.update(exact.pop("$defs", {}))
+                components[route.model.__name__] = exact
+            self.openapi_schema = schema
         return self.openapi_schema
 
 
@@ -218,9 +227,7 @@ class _Frontend:
         """Create a chat completion (OpenAI ``POST /v1/chat/completions``)."""
         m = self.metrics.start(CHAT_PATH)
         try:
-            info = self._admit(body.model, body.n)
-            if body.logprobs or body.top_logprobs:
-                raise invalid("logprobs are not supported", "logprobs")
+            info = self._admit(body.model)
             prompt = await chat_prompt(info, body)
             rid = f"chatcmpl-{secrets.token_hex(16)}"
             max_tokens = body.max_completion_tokens or body.max_tokens
@@ -238,13 +245,7 @@ class _Frontend:
         """Create a text completion (OpenAI ``POST /v1/completions``)."""
         m = self.metrics.start(COMPLETIONS_PATH)
         try:
-            info = self._admit(body.model, body.n)
-            if body.best_of is not None and body.best_of > 1:
-                raise invalid("best_of > 1 is not supported", "best_of")
-            if body.logprobs is not None:
-                raise invalid("logprobs are not supported", "logprobs")
-            if body.suffix:
-                raise invalid("suffix is not supported", "suffix")
+            info = self._admit(body.model)
             prompt_text, prompt = await completion_prompt(info, body)
             rid = f"cmpl-{secrets.token_hex(16)}"
             # OpenAI's default for completions is 16 tokens (chat's is "the rest of the context").
@@ -261,14 +262,12 @@ class _Frontend:
         except Exception as exc:
             return self._internal(m, exc)
 
-    def _admit(self, model: str, n: int) -> ModelInfo:
+    def _admit(self, model: str) -> ModelInfo:
         info = next((i for i in self.backend.models() if i.name == model), None)
         if info is None:
             exc = ModelNotFound(f"The model `{model}` does not exist.")
             setattr(exc, "param", "model")  # noqa: B010
             raise exc
-        if n != 1:
-            raise invalid("n > 1 is not supported", "n")
         if self.max_inflight is not None and self.inflight >= self.max_inflight:
             raise Overloaded(f"too many requests in flight (limit {self.max_inflight})")
         return info

@@ -5,18 +5,20 @@ body in steps, solves its dependencies, and wraps ``send`` in layers that every 
 then goes through: a noticeable share of the root's CPU for each request. So the app hands every
 request to a generation path to this door before FastAPI sees it. The door reads the body (the
 size limit, a client gone while sending), parses it (``json.loads``, when the content type says
-JSON), validates it with the endpoint's pydantic model, and calls the endpoint, whose response
-runs on the server's own ``send``; every refusal (405, 413, 400) is rendered here, with
-:mod:`._errors`. This is the only place that decides what a valid generation request is. FastAPI
-serves the other routes and documents these (the OpenAPI schema, from the same models); its
-router also knows their paths, so that it redirects a trailing slash to them and hands a mounted
-app's requests to them back to this door.
+JSON; a whole number is an int however it is written), validates it with the endpoint's pydantic
+model, and calls the endpoint, whose response runs on the server's own ``send``; every refusal
+(405, 413, 400) is rendered here, with :mod:`._errors`. This is the only place that decides what
+a valid generation request is. FastAPI serves the other routes and documents these (the OpenAPI
+schema, whose request bodies are the same models' own schemas); its router also knows their
+paths, so that it redirects a trailing slash to them and hands a mounted app's requests to them
+back to this door.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from decimal import Decimal
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -142,7 +144,7 @@ class Door:
             content_type == b"application/json" or _names_json(content_type)
         ):
             try:
-                value = json.loads(body)
+                value = json.loads(body, parse_float=_json_number)
             except json.JSONDecodeError as exc:
                 raise self._invalid(route, json_error_response(exc.msg)) from None
             except Exception:
@@ -191,6 +193,18 @@ class _Entrance:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._door.serve(self._route, scope, receive, send)
+
+
+def _json_number(text: str) -> int | float:
+    """A JSON number written with a fraction or an exponent: an int when it is whole, as JSON
+    Schema counts integers (``8.0`` is one), where the strict models take only an int."""
+    value = float(text)
+    if not value.is_integer():
+        return value  # inf too: an exponent too large for a float is no int either
+    # Exactly, not as the float rounded it: 2**64 - 1 written ``18446744073709551615.0`` is whole
+    # and in range, ``8.0000000000000001`` is not whole.
+    exact = Decimal(text)
+    return int(exact) if exact == exact.to_integral_value() else value
 
 
 def _too_large() -> Response:

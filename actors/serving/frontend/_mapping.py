@@ -54,16 +54,15 @@ async def chat_prompt(info: ModelInfo, body: ChatCompletionRequest) -> list[int]
 
 
 async def completion_prompt(info: ModelInfo, body: CompletionRequest) -> tuple[str, list[int]]:
-    """The prompt's text (for ``echo``) and token ids; one prompt, as text or as ids."""
+    """The prompt's text (for ``echo``) and token ids; one prompt, as text or as ids (or a list
+    of one of those: the model allows no more)."""
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise invalid("batched prompts are not supported: send one prompt", "prompt")
+    if isinstance(prompt, list) and not isinstance(prompt[0], int):
         prompt = prompt[0]
     if isinstance(prompt, str):
         text = prompt
         return text, await _tokenize(lambda: info.tokenizer.encode(text), len(text), info, "prompt")
-    ids = [int(t) for t in prompt]  # type: ignore[arg-type]  # list[int] once unwrapped
+    ids = [int(t) for t in prompt]
     return (info.tokenizer.decode(ids) if body.echo else ""), ids
 
 

@@ -4,15 +4,32 @@ The request models are strict (a string is not a number, a bool is not a float) 
 unknown fields, as OpenAI-compatible servers do. Every string must be valid Unicode: a lone
 surrogate, which JSON allows, could neither be tokenised nor sent back in an error.
 
+They are the one statement of what a request may hold: the door validates with them and the
+OpenAPI schema is theirs, so a field that is not fully implemented yet says what it accepts here
+(:class:`_Accepts`), never in an endpoint's own check. A whole number written with a fraction or
+an exponent (``8.0``, ``1e3``) is an integer, as JSON Schema says: the door decodes it as one.
+
 The response models only document the API (OpenAPI schema, schemathesis' conformance checks); the
 responses themselves are encoded with msgspec (``_chunks.py``), which these models must match.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
 
 __all__ = [
     "ChatCompletionRequest",
@@ -40,11 +57,46 @@ def _unicode(value: str) -> str:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class _Accepts:
+    """What a field accepts, said once for validation and schema alike: ``only`` (when given)
+    restricts it to those values (the schema's ``enum``), and every refusal, a value of the wrong
+    type included, answers ``says`` (the schema's description)."""
+
+    says: str
+    only: tuple[object, ...] = ()
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_wrap_validator_function(self._validate, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        json_schema = handler(schema)
+        if self.only:
+            json_schema["enum"] = list(self.only)
+        json_schema["description"] = self.says
+        return json_schema
+
+    def _validate(self, value: Any, inner: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            value = inner(value)
+        except ValidationError:
+            raise PydanticCustomError("unsupported_value", self.says) from None
+        if self.only and value not in self.only:
+            raise PydanticCustomError("unsupported_value", self.says)
+        return value
+
+
 Str = Annotated[str, AfterValidator(_unicode)]
 TokenCount = Annotated[int, Field(ge=1, le=_MAX_TOKENS)]
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 Seed = Annotated[int, Field(ge=_INT64_MIN, le=_UINT64_MAX)]
 Stop = Str | Annotated[list[Str], Field(max_length=16)] | None
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+_ONE = Field(min_length=1, max_length=1)
 
 
 class _Request(BaseModel):
@@ -100,7 +152,7 @@ class _Sampling(_Request):
     top_k: Annotated[int, Field(ge=-1, le=_INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Seed | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+    n: Annotated[int, _Accepts("only 1: n > 1 is not supported yet", (1,))] = 1
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
@@ -114,19 +166,35 @@ class ChatCompletionRequest(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: TokenCount | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[
+        bool | None, _Accepts("only false or null: logprobs are not supported yet", (False, None))
+    ] = False
+    top_logprobs: Annotated[
+        int | None, _Accepts("only null or 0: logprobs are not supported yet", (None, 0))
+    ] = None
     response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
-    prompt: Str | list[TokenId] | list[Str] | list[list[TokenId]]
+    prompt: Annotated[
+        Str | TokenIds | Annotated[list[Str], _ONE] | Annotated[list[TokenIds], _ONE],
+        _Accepts(
+            "a string, a non-empty list of token ids, or a list of one of those: batched "
+            "prompts are not supported yet"
+        ),
+    ]
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
-    suffix: Str | None = None
+    logprobs: Annotated[
+        int | None, _Accepts("only null: logprobs are not supported yet", (None,))
+    ] = None
+    best_of: Annotated[
+        int | None, _Accepts("only null or 1: best_of > 1 is not supported yet", (None, 1))
+    ] = None
+    suffix: Annotated[
+        Str | None, _Accepts("only null or empty: suffix is not supported yet", (None, ""))
+    ] = None
 
 
 # --- responses (documentation only) ------------------------------------------------------------

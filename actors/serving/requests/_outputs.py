@@ -31,16 +31,21 @@ __all__ = ["Finish", "NextAttempt", "RequestOutputs", "open_request"]
 
 
 def open_request(
-    streams: SupervisorRef, table: RoutingTable, admission: Admission, request: PreprocessedRequest
+    streams: SupervisorRef,
+    table: RoutingTable,
+    admission: Admission,
+    request: PreprocessedRequest,
+    *,
+    timeout: float,
 ) -> RequestOutputs:
-    """Admit ``request`` and return its outputs; its stream actor (a temporary child of
-    ``streams``) starts on the first ``__anext__``. Raises ``NoWorkerAvailable`` while no worker
-    is routable for one of the roles a request needs and ``WorkerDraining`` once admission
-    closed."""
+    """Admit ``request`` (which may take ``timeout`` seconds in all) and return its outputs;
+    its stream actor (a temporary child of ``streams``) starts on the first ``__anext__``.
+    Raises ``NoWorkerAvailable`` while no worker is routable for one of the roles a request
+    needs and ``WorkerDraining`` once admission closed."""
     if not table.serving():
         raise NoWorkerAvailable("no worker of every role the model needs is ready")
     admission.enter()
-    return RequestOutputs(streams, request, admission)
+    return RequestOutputs(streams, request, admission, timeout)
 
 
 @attrs.frozen
@@ -82,17 +87,23 @@ class RequestOutputs:
         "_closed",
         "_error",
         "_streams",
+        "_timeout",
         "deadline",
         "owner",
         "request",
     )
 
     def __init__(
-        self, streams: SupervisorRef, request: PreprocessedRequest, admission: Admission
+        self,
+        streams: SupervisorRef,
+        request: PreprocessedRequest,
+        admission: Admission,
+        timeout: float,
     ) -> None:
         self._streams = streams
         self.request = request
         self._admission = admission
+        self._timeout = timeout
         self.owner: ActorRef[Any] | None = None
         self.deadline = math.inf  # the request's, set with ``owner``: its asks wait no longer
         self._attempt: Attempt | None = None
@@ -101,8 +112,14 @@ class RequestOutputs:
 
     async def _start(self) -> Attempt:
         # The actor starts with the request in its mailbox: it routes and sends it to the
-        # engine as soon as it runs, before its start is even confirmed to us.
-        started = await self._streams.start_dynamic_ask(NextAttempt(self))
+        # engine as soon as it runs, before its start is even confirmed to us. A streams
+        # supervisor or actor that never answers ends the request as timed out, as below.
+        try:
+            started = await self._streams.start_dynamic_ask(
+                NextAttempt(self), timeout=self._timeout + _ANSWER_GRACE_S
+            )
+        except TimeoutError:
+            raise RequestTimeout("the request ran past its deadline") from None
         if started is None:
             raise NoWorkerAvailable("the request could not be started")
         return started[1]

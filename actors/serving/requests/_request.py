@@ -53,6 +53,7 @@ from protocols.errors import (
     MigrationExhausted,
     NoWorkerAvailable,
     RequestError,
+    RequestTimeout,
     WorkerDraining,
 )
 
@@ -330,9 +331,9 @@ class RequestStream(Actor):
         assert progress is not None
         if progress.live is not None:  # continue from the handed-over KV
             return self._take("decode", request, self._excluded), request, None
-        if self.options.disaggregated:
-            return await self._dispatch_prefill(request, progress.deadline)
         retrying = progress.failed_at is not None
+        if self.options.disaggregated:
+            return await self._dispatch_prefill(request, progress.deadline, retrying=retrying)
         routed = await self._route("aggregated", request, progress.deadline, retrying=retrying)
         return routed, request, None
 
@@ -345,33 +346,35 @@ class RequestStream(Actor):
     async def _route(
         self, role: Role, request: PreprocessedRequest, deadline: float, *, retrying: bool
     ) -> Routed:
-        """Route; while migrating, wait (within the deadline) for a worker of the role to become
-        routable again rather than fail: a single worker may be restarting."""
+        """Route; while migrating, wait up to the request's deadline for a worker of the role
+        to become routable again rather than fail: a worker, or its whole pool, may be
+        restarting. A new request fails at once (its client is told to retry later)."""
         exclude = self._excluded
         while True:
             try:
                 return self._take(role, request, exclude)
             except NoWorkerAvailable:
-                left = deadline - time.monotonic()
-                if not retrying or left <= 0:
+                if not retrying:
                     raise
-                with anyio.move_on_after(min(left, self.options.stall_timeout)) as scope:
+                with anyio.move_on_after(deadline - time.monotonic()) as scope:
                     await self.table.wait_routable(1, role)
                 if scope.cancelled_caught:
-                    raise
+                    raise RequestTimeout(
+                        f"no {role} worker came back before the deadline"
+                    ) from None
                 # Whatever is routable now may take it, the excluded worker too (restarted, it
                 # is a new engine): else a lone worker's exclusion spins here until the deadline.
                 exclude = ()
 
     async def _dispatch_prefill(
-        self, request: PreprocessedRequest, deadline: float
+        self, request: PreprocessedRequest, deadline: float, *, retrying: bool
     ) -> tuple[Routed, PreprocessedRequest, Prefill | None]:
         """Disaggregated: pick a decode and a prefill worker, send the prefill its request with a
         fresh room and return the decode side's routing and request (sent by the caller at once:
         both start together, as in SGLang's bootstrap protocol), with the prefill if its first
         token is the client's. With no prefill worker routable, decode serves the request alone
         (Dynamo's decode-only fallback)."""
-        decode = await self._route("decode", request, deadline, retrying=True)
+        decode = await self._route("decode", request, deadline, retrying=retrying)
         try:
             routed = self._take("prefill", request, ())
         except NoWorkerAvailable:

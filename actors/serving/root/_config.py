@@ -38,6 +38,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     engine_args: dict[str, Any] = attrs.field(factory=dict)
+    # Per-role engine args, over ``engine_args`` (aggregated workers take the decode ones).
+    prefill_engine_args: dict[str, Any] = attrs.field(factory=dict)
+    decode_engine_args: dict[str, Any] = attrs.field(factory=dict)
     router: Literal["round_robin", "least_loaded", "kv_aware"] = "kv_aware"
     migration_limit: int = 3
     stall_timeout: float = 30.0
@@ -51,11 +54,15 @@ class ServeConfig:
     # keeps failing, up to 24 times as long) instead of restarting its pool.
     quarantine_cooldown: float = 5.0
     tokenizer: str | None = None  # a local tokenizer folder; the mock uses a byte tokenizer
+    # SGLang: start engines with the memory saver, so that release/resume can free GPU memory.
+    memory_release: bool = False
+    # SGLang: publish KV events (None: when the router is kv_aware, which routes by them).
+    kv_events: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.model:
             # Frozen: the resolved default is set once, here, like any other field's value.
-            object.__setattr__(self, "model", self._default_model())
+            object.__setattr__(self, "model", self.default_model())
         if self.decode_workers < 1 or (self.mode == "disaggregated" and self.prefill_workers < 1):
             raise ValueError(
                 "need a decode (or aggregated) worker, and a prefill worker when disaggregated"
@@ -65,7 +72,8 @@ class ServeConfig:
         if self.quarantine_cooldown < 0:
             raise ValueError("quarantine_cooldown must be >= 0")
 
-    def _default_model(self) -> str:
+    def default_model(self) -> str:
+        """The served model's name when none is configured: the backend's, from the args."""
         return engine_backend(self.backend).served_model(self.engine_args)
 
 

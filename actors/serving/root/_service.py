@@ -27,11 +27,14 @@ class ModelService(Backend):
         streams: SupervisorRef,
         table: RoutingTable,
         admission: Admission | None = None,
+        *,
+        request_timeout: float,
     ) -> None:
         self.model = model
         self.streams = streams
         self.table = table
         self.admission = admission or Admission()
+        self.request_timeout = request_timeout
 
     def models(self) -> list[ModelInfo]:
         return [self.model]
@@ -39,7 +42,9 @@ class ModelService(Backend):
     def generate(self, model: str, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         if model != self.model.name:
             raise ModelNotFound(f"model {model!r} is not served (try {self.model.name!r})")
-        return open_request(self.streams, self.table, self.admission, request)
+        return open_request(
+            self.streams, self.table, self.admission, request, timeout=self.request_timeout
+        )
 
     def health(self) -> Mapping[str, EndpointStatus]:
         ready = self.admission.ready and self.table.serving()

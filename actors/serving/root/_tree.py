@@ -75,14 +75,18 @@ class Serving:
         """The configuration of a ``role`` worker's engine, as its backend takes it."""
         cfg = self.config
         eos = self.tokenizer.eos_token_ids
+        kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.router == "kv_aware"
         setup = EngineSetup(
             role=role,
             model=cfg.model,
             eos_token_id=eos[0] if eos else 2,
             model_dir=self.model_dir,
             threads=self.hf_threads(),
+            memory_release=cfg.memory_release,
+            kv_events=kv_events,
         )
-        return self.backend.configure(dict(cfg.engine_args), setup)
+        own = cfg.prefill_engine_args if role == "prefill" else cfg.decode_engine_args
+        return self.backend.configure({**cfg.engine_args, **own}, setup)
 
     def hf_threads(self) -> int:
         """CPU (torch) threads per engine: this process's cores shared among the engine
@@ -122,7 +126,13 @@ class Frontend(Actor):
         if streams is None:
             raise LookupError(f"no {serving.streams_name!r} supervisor")
         model = ModelInfo(cfg.model, serving.context_length(), serving.tokenizer)
-        service = ModelService(model, SupervisorRef(streams), serving.table, serving.admission)
+        service = ModelService(
+            model,
+            SupervisorRef(streams),
+            serving.table,
+            serving.admission,
+            request_timeout=cfg.request_timeout,
+        )
         app = create_app(service, REGISTRY, max_inflight=cfg.max_inflight)
         serving.port = await self.task_group.start(serve, app, cfg.host, cfg.port)
 
@@ -131,7 +141,11 @@ def _pool(serving: Serving, role: str) -> ChildSpec:
     cfg = serving.config
     ids = [wid for wid, r in serving.roles.items() if (r == "prefill") == (role == "prefill")]
     # Workers run on uvloop where installed: about half the CPU per message of plain asyncio.
-    process = ProcessOptions(heartbeat_timeout=cfg.heartbeat_timeout, backend=default_loop())
+    process = ProcessOptions(
+        heartbeat_timeout=cfg.heartbeat_timeout,
+        backend=default_loop(),
+        start_timeout=serving.backend.start_timeout,
+    )
     health = HealthOptions(
         idle_after=cfg.health_idle_after,
         timeout=cfg.health_timeout,
@@ -199,9 +213,11 @@ def build_tree(serving: Serving) -> list[ChildSpec]:
     model_children = [*pools, streams]
 
     def model() -> Supervisor:
+        # One for one: the pools still start before the streams and stop after them, but a pool
+        # that restarts leaves the streams running, so its in-flight requests migrate, never cut.
         return Supervisor(
             model_children,
-            SupervisorFlags(Strategy.REST_FOR_ONE, intensity=3, period=60),
+            SupervisorFlags(Strategy.ONE_FOR_ONE, intensity=3, period=60),
             name=f"model:{cfg.model}",
         )
 

@@ -20,7 +20,7 @@ from protocols import control
 from protocols.engine import BootstrapInfo, Capacity, MemoryTag
 from protocols.errors import NoWorkerAvailable
 from protocols.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from protocols.pages import prompt_page_hashes
+from protocols.pages import page_hash, prompt_page_hashes
 
 __all__ = ["Policy", "Role", "Routed", "RoutingTable", "WorkerEntry"]
 
@@ -50,7 +50,10 @@ class WorkerEntry:
     reported_active: int = 0  # from the engine's load metrics
     waiting: int = 0
     cache_usage: float = 0.0
-    blocks: set[int] = attrs.field(factory=set)  # cached page hashes (all DP ranks)
+    blocks: set[int] = attrs.field(factory=set)  # cached pages, by our page hash (all DP ranks)
+    # The engine's hash of each cached page -> ours: engines hash pages their own way (SGLang
+    # 0.5.17: SHA-256), so pages are matched by hashes the router computes from their tokens.
+    engine_hashes: dict[int, int] = attrs.field(factory=dict)
     released: set[MemoryTag] = attrs.field(factory=set)  # memory the lifecycle released
     paused: bool = False  # generation paused by the lifecycle (for a release)
 
@@ -156,11 +159,33 @@ class RoutingTable:
             return
         for event in batch.events:
             if isinstance(event, BlockStored):
-                entry.blocks.update(event.block_hashes)
+                self._stored(entry, event)
             elif isinstance(event, BlockRemoved):
-                entry.blocks.difference_update(event.block_hashes)
+                for engine_hash in event.block_hashes:
+                    ours = entry.engine_hashes.pop(engine_hash, None)
+                    if ours is not None:
+                        entry.blocks.discard(ours)
             elif isinstance(event, AllBlocksCleared):
                 entry.blocks.clear()
+                entry.engine_hashes.clear()
+
+    @staticmethod
+    def _stored(entry: WorkerEntry, event: BlockStored) -> None:
+        parent: int | None = None
+        if event.parent_block_hash is not None:
+            parent = entry.engine_hashes.get(event.parent_block_hash)
+            if parent is None:
+                return  # its prefix was never seen (events lost): these pages cannot be placed
+        size = event.block_size
+        full = entry.capacity.block_size
+        for i, engine_hash in enumerate(event.block_hashes):
+            page = event.token_ids[i * size : (i + 1) * size]
+            if len(page) < full:
+                break  # a partial page never matches a prompt's full page
+            ours = page_hash(parent, page)
+            entry.engine_hashes[engine_hash] = ours
+            entry.blocks.add(ours)
+            parent = ours
 
     # -- choosing ---------------------------------------------------------------------------
 

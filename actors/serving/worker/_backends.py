@@ -42,6 +42,8 @@ class EngineSetup:
     eos_token_id: int  # the tokenizer's first end-of-sequence token
     model_dir: Path | None = None  # the folder the backend's ``find_model`` found
     threads: int = 1  # CPU threads for each engine process
+    memory_release: bool = False  # engines that need it set up for release/resume (SGLang)
+    kv_events: bool = False  # engines that publish KV events only when asked (SGLang)
 
 
 @attrs.frozen
@@ -58,8 +60,11 @@ class EngineBackend:
     kv_transfer: Callable[[Any, InjectedFaults], EngineTransfer] | None
     default_model: str  # the served model's name when the configuration gives none...
     model_args: tuple[str, ...] = ()  # ...unless one of these engine args names it
-    find_model: Callable[[Mapping[str, Any]], Path] | None = None  # the folder the engines load
+    # The local folder the engines load (config, tokenizer, chat template), if any.
+    find_model: Callable[[Mapping[str, Any]], Path | None] | None = None
     preload: tuple[str, ...] = ()  # modules the forkserver imports once for every worker
+    # Seconds an engine may take to start (load, warm up) before its start counts as failed.
+    start_timeout: float = 60.0
 
     def served_model(self, engine_args: Mapping[str, Any]) -> str:
         """The served model's name when the configuration gives none."""
@@ -143,7 +148,22 @@ def _hf_model_dir(engine_args: Mapping[str, Any]) -> Path:
 
 
 def _sglang_configure(args: dict[str, Any], setup: EngineSetup) -> bytes:
-    return msgspec.msgpack.encode({"server_args": args, "role": setup.role})
+    options = {
+        "server_args": args,
+        "role": setup.role,
+        "memory_release": setup.memory_release,
+        "kv_events": setup.kv_events,
+    }
+    return msgspec.msgpack.encode(options)
+
+
+def _sglang_model_dir(engine_args: Mapping[str, Any]) -> Path | None:
+    """The local folder of SGLang's ``tokenizer_path`` or ``model_path``; None for a hub id."""
+    for key in ("tokenizer_path", "model_path"):
+        value = engine_args.get(key)
+        if value and Path(value).is_dir():
+            return Path(value)
+    return None
 
 
 def _sglang_build(config: bytes, task_group: Any) -> Engine:
@@ -176,5 +196,8 @@ BACKENDS: dict[str, EngineBackend] = {
         None,
         default_model="default",
         model_args=("served_model_name", "model_path"),
+        find_model=_sglang_model_dir,
+        # Its warm-up JIT-compiles kernels on a fresh host: minutes, not seconds.
+        start_timeout=1800.0,
     ),
 }

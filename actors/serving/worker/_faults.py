@@ -26,7 +26,8 @@ class SlowDown(Protocol):
 class InjectedFaults:
     """The faults injected into one engine actor and not yet taken, per operation
     (``generate``, ``health``, ``pause``, ``release_memory``, ``resume_memory``; on a decode
-    worker with our KV bridge, ``fail_kv`` and ``corrupt_kv``)."""
+    worker with our KV bridge, ``fail_kv`` and ``corrupt_kv``; on a prefill worker with it,
+    ``hold_kv``)."""
 
     __slots__ = ("_left", "armed")
 

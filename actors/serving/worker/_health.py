@@ -84,19 +84,26 @@ class HealthChecker(Actor):
         opts = self.options
         while True:
             await anyio.sleep(opts.interval)
-            if await self._recently_active():
+            state = await self._state()
+            if state == "active":
                 self._verdict(True)
-                continue
-            self._verdict(await self.canary())
+            elif state == "idle":
+                self._verdict(await self.canary())
+            # "out of service": drained, paused or released by the lifecycle on purpose; a
+            # canary could only fail there, and the routing view already keeps it out.
 
-    async def _recently_active(self) -> bool:
+    async def _state(self) -> str:
         try:
             stats: control.EngineStats = await self.engine.ask(
                 control.GetStats(), timeout=self.options.timeout
             )
         except (ActorError, TimeoutError):
-            return False
-        return stats.running > 0 or time.monotonic() - stats.last_output < self.options.idle_after
+            return "idle"  # no answer: let the canary judge it
+        if not stats.admitting or stats.paused or stats.released:
+            return "out of service"
+        if stats.running > 0 or time.monotonic() - stats.last_output < self.options.idle_after:
+            return "active"
+        return "idle"
 
     def _verdict(self, healthy: bool) -> None:
         if self.directory is not None:

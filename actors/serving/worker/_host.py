@@ -57,6 +57,7 @@ class EngineHost(Actor):
         self.last_output = time.monotonic()
         self._capacity: Capacity | None = None
         self.admitting = True
+        self.paused = False  # generation paused by the lifecycle (a release, a drain)
         self._running: set[str] = set()
         # A drained request's end (the migratable error its stream raises), from the drain on.
         self._handed_over: dict[str, RequestError] = {}
@@ -131,8 +132,10 @@ class EngineHost(Actor):
                 if faults.armed:
                     faults.check("pause")
                 await engine.pause(mode)
+                self.paused = True
             case c.ContinueGeneration():
                 await engine.continue_generation()
+                self.paused = False
             case c.ReleaseMemory(tags=tags):
                 if faults.armed:
                     faults.check("release_memory")
@@ -150,6 +153,7 @@ class EngineHost(Actor):
             case c.Undrain(continue_generation=continue_generation):
                 if continue_generation:
                     await engine.continue_generation()
+                    self.paused = False
                 self.admitting = True
             case c.InjectFault(operation=operation, count=count):
                 faults.add(operation, count)
@@ -183,6 +187,7 @@ class EngineHost(Actor):
             engine_in_flight=native.in_flight,
             pid=os.getpid(),
             admitting=self.admitting,
+            paused=self.paused,
             prefill_tokens=native.prefill_tokens,
             kv_received_tokens=native.kv_received_tokens,
             handovers_live=self._handovers["live"],

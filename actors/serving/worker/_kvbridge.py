@@ -316,7 +316,8 @@ class MockTransfer:
 
     def __init__(self, engine: Any, faults: InjectedFaults) -> None:
         self.engine = engine
-        self._faults = faults  # the host's (``corrupt_kv``, ``fail_kv``): tests and scenarios
+        # The host's (``hold_kv``, ``corrupt_kv``, ``fail_kv``): tests and scenarios.
+        self._faults = faults
         self._pool: KVPool | None = None
         # Requests whose KV arrived in this event-loop turn, with the hash it came with.
         self._landed: dict[str, int | None] = {}
@@ -357,6 +358,10 @@ class MockTransfer:
             await outputs.aclose()
         source = await engine.wait_transfer_source(rid)
         try:
+            faults = self._faults
+            if faults.armed and faults.take("hold_kv"):
+                # A prefill that hangs mid-handshake: decode waits for KV that never comes.
+                await anyio.sleep_forever()
             await room.send(list(source.block_ids))
         finally:
             engine.release_transfer(rid)

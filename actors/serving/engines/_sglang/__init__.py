@@ -1,6 +1,7 @@
 """The ``sglang`` backend: ``sglang.Engine`` (in-process) behind the engine contract."""
 
+from actors.serving.engines._sglang._cli_args import server_args_from_cli
 from actors.serving.engines._sglang._engine import SGLangEngine, SGLangRequiresAsyncio
 from actors.serving.engines._sglang._metrics import SGLangMetricsReader
 
-__all__ = ["SGLangEngine", "SGLangMetricsReader", "SGLangRequiresAsyncio"]
+__all__ = ["SGLangEngine", "SGLangMetricsReader", "SGLangRequiresAsyncio", "server_args_from_cli"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 import socket
+import tempfile
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,7 +38,9 @@ class SGLangAPI:
     """The pieces of SGLang the backend uses: the injection seam for tests.
 
     ``load_sglang_api`` fills it from the installed package; the tests fill it with fakes built
-    from the signature record, so every call is checked against SGLang's real signatures.
+    from each signature record, so every call is checked against SGLang's real signatures. Where
+    SGLang versions differ, the backend looks at what the live SGLang has (a field, a parameter,
+    a class), never at its version string.
     """
 
     Engine: Callable[..., Any]
@@ -44,6 +48,8 @@ class SGLangAPI:
     ContinueGenerationReqInput: Callable[..., Any]
     ReleaseMemoryOccupationReqInput: Callable[..., Any]
     ResumeMemoryOccupationReqInput: Callable[..., Any]
+    # SGLang <= 0.5.17 fails a request aborted before its dispatch with it; None where absent.
+    RequestAbortedError: type[Exception] | None
     FAKE_BOOTSTRAP_HOST: str
     server_arg_names: frozenset[str]
     kv_events_config_fields: frozenset[str]
@@ -56,6 +62,7 @@ def load_sglang_api() -> SGLangAPI:
 
     import msgspec
     import sglang
+    import sglang.srt.managers.tokenizer_manager as tokenizer_manager
     from sglang.srt.disaggregation.kv_events import KVEventsConfig
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
     from sglang.srt.managers.io_struct import (
@@ -76,6 +83,7 @@ def load_sglang_api() -> SGLangAPI:
         ContinueGenerationReqInput=ContinueGenerationReqInput,
         ReleaseMemoryOccupationReqInput=ReleaseMemoryOccupationReqInput,
         ResumeMemoryOccupationReqInput=ResumeMemoryOccupationReqInput,
+        RequestAbortedError=getattr(tokenizer_manager, "RequestAbortedError", None),
         FAKE_BOOTSTRAP_HOST=str(FAKE_BOOTSTRAP_HOST),
         server_arg_names=names,
         kv_events_config_fields=frozenset(KVEventsConfig.model_fields),
@@ -124,11 +132,15 @@ def _loopback_endpoint(endpoint: str, dp: int, what: str) -> str:
     return f"tcp://{LOOPBACK}:{base}"
 
 
-def kv_events_config(raw: str | Mapping[str, Any] | None, dp: int, enable: bool) -> str | None:
+def kv_events_config(
+    raw: str | Mapping[str, Any] | None, dp: int, enable: bool, *, can_bind: bool = True
+) -> str | None:
     """SGLang's ``kv_events_config`` JSON with every endpoint bound on loopback or ipc.
 
     ``raw`` is what the operator gave (JSON text or a dict); ``enable`` creates a config when none
-    was given. A config whose publisher is ``null`` stays disabled.
+    was given. A config whose publisher is ``null`` stays disabled. ``can_bind``: the config has
+    SGLang's ``bind`` field; without it (SGLang <= 0.5.17) a concrete tcp host is connected to,
+    not bound, so the publisher gets a private ipc path instead (one DP rank only).
     """
     cfg: dict[str, Any]
     if raw is None:
@@ -143,9 +155,18 @@ def kv_events_config(raw: str | Mapping[str, Any] | None, dp: int, enable: bool)
             str(cfg.get("endpoint", f"tcp://{LOOPBACK}:5557")), dp, "KV events"
         )
     if cfg.get("replay_endpoint"):
+        # SGLang always binds the replay ROUTER socket.
         cfg["replay_endpoint"] = _loopback_endpoint(str(cfg["replay_endpoint"]), dp, "KV replay")
-    # SGLang connects (not binds) a concrete tcp host unless told to bind.
-    cfg["bind"] = True
+    if can_bind:
+        # SGLang connects (not binds) a concrete tcp host unless told to bind.
+        cfg["bind"] = True
+    elif str(cfg["endpoint"]).startswith("tcp://"):
+        if dp > 1:
+            raise ValueError(
+                "this SGLang binds KV events only on a wildcard tcp address or ipc, and offsets "
+                "only tcp per DP rank: KV events with dp_size > 1 would listen on every interface"
+            )
+        cfg["endpoint"] = f"ipc://{tempfile.gettempdir()}/actorserve-kv-{uuid.uuid4().hex}"
     return json.dumps(cfg, sort_keys=True)
 
 
@@ -199,10 +220,6 @@ def force_server_args(
     if memory_release:
         forced["enable_memory_saver"] = True
     if kv_events is not None:
-        if "bind" not in api.kv_events_config_fields:
-            raise ValueError(
-                f"SGLang {api.version} cannot bind KV events on a concrete loopback address"
-            )
         forced["kv_events_config"] = kv_events
         forced["enable_metrics"] = True
     elif "kv_events_config" in out:

@@ -3,7 +3,9 @@
 SGLang's engine is asyncio-only (its tokenizer manager runs asyncio tasks on the loop that first
 uses it), so this backend runs on asyncio and refuses trio with :class:`SGLangRequiresAsyncio`.
 
-How it uses SGLang (every call is checked against ``sglang_api.json``, see ``_sglang_record``):
+How it uses SGLang (every call is checked against the signature records of each supported SGLang
+version, ``records/*.json``, see ``_record``; where versions differ, the backend inspects the live
+SGLang: ``async_generate``'s parameters, ``KVEventsConfig``'s fields, the classes it has):
 
 - ``async_generate(input_ids=..., stream=True, rid=<our rid>, ...)``; with incremental streaming
   each chunk's ``output_ids`` are the new tokens. Submitting our own rid makes an abort addressable
@@ -47,7 +49,7 @@ from actors.serving.engines._sglang._launch import (
     construct_engine,
     server_info,
     shutdown_engine,
-    warmup_prefill,
+    warm_up,
 )
 from actors.serving.engines._sglang._signals import DeferredSignalHandlers
 from actors.serving.engines._sglang._stream import RequestStream, StreamConfig
@@ -137,9 +139,8 @@ class SGLangEngine:
         if role != "aggregated":
             self._bootstrap_port = int(port) if port is not None else free_port()
         self._memory_release = memory_release
-        self._kv_events_json = kv_events_config(
-            self._args.get("kv_events_config"), requested_dp_size(self._args), kv_events
-        )
+        self._kv_events = kv_events
+        self._kv_events_json: str | None = None  # set at start: its form depends on SGLang's API
         self._bos = bos_token_id
         self._warmup_enabled = warmup
         self._warmup_timeout = warmup_timeout
@@ -177,6 +178,12 @@ class SGLangEngine:
         source = self._api_source
         api = source if isinstance(source, SGLangAPI) else source()
         self._api = api
+        self._kv_events_json = kv_events_config(
+            self._args.get("kv_events_config"),
+            requested_dp_size(self._args),
+            self._kv_events,
+            can_bind="bind" in api.kv_events_config_fields,
+        )
         kwargs = force_server_args(
             self._args,
             role=self.role,
@@ -209,6 +216,9 @@ class SGLangEngine:
             ),
             supports_priority="priority" in params,
             retry_aborts=abort_needs_retry(self._info),
+            aborted_errors=(
+                (api.RequestAbortedError,) if api.RequestAbortedError is not None else ()
+            ),
         )
         dp = int(self._info.get("num_dp_ranks") or requested_dp_size(self._info))
         metrics = str(getattr(engine.port_args, "metrics_ipc_name", "") or "")
@@ -228,9 +238,8 @@ class SGLangEngine:
                 metrics if self._kv_events_json and metrics.startswith("ipc://") else None
             ),
         )
-        if self.role == "prefill" and self._warmup_enabled:
-            assert self._bootstrap_port is not None
-            await warmup_prefill(engine, api, self._bootstrap_port, self._warmup_timeout)
+        if self._warmup_enabled:
+            await warm_up(engine, api, self.role, self._bootstrap_port, self._warmup_timeout)
         return self._capacity
 
     def _built(self, engine: Any) -> None:
@@ -441,7 +450,9 @@ class SGLangEngine:
             role=self.role,
             started=self._engine is not None,
             closed=self._cleanup_done is not None and self._cleanup_done.is_set(),
-            in_flight=len(self._streams),
+            # Ours and SGLang's own (its tokenizer manager's registry): an aborted request counts
+            # until SGLang has really let it go.
+            in_flight=len(self._streams.keys() | (self._tm.rid_to_state if self._tm else {})),
             paused=None if self._paused is None else self._paused.value,
             released=frozenset(self._released),
             deferred_signals=self._signals.captured() if self._signals is not None else {},

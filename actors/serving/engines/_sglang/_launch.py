@@ -27,7 +27,7 @@ __all__ = [
     "construct_engine",
     "server_info",
     "shutdown_engine",
-    "warmup_prefill",
+    "warm_up",
 ]
 
 _log = logging.getLogger(__name__)
@@ -121,35 +121,42 @@ def abort_needs_retry(info: Mapping[str, Any]) -> bool:
     )
 
 
-async def warmup_prefill(engine: Any, api: SGLangAPI, bootstrap_port: int, timeout: float) -> None:
-    """One fake prefill before the worker is routable (Dynamo's warm-up), fully consumed.
+async def warm_up(
+    engine: Any, api: SGLangAPI, role: str, bootstrap_port: int | None, timeout: float
+) -> None:
+    """One short generate before the worker is routable (SGLang's and Dynamo's warm-up), fully
+    consumed.
 
-    SGLang's fake bootstrap host makes it skip the KV transfer. JIT compilation and CUDA-graph
-    capture then happen here, not on the first real request; a failure fails the start.
+    JIT compilation and CUDA-graph capture happen here, not on the first real request (which
+    would otherwise stall for a minute and be migrated as unresponsive); a failure fails the
+    start. Prefill and decode use SGLang's fake bootstrap host, which skips the KV transfer.
     """
+    pd: dict[str, Any] = {}
+    if role != "aggregated":
+        pd = {"bootstrap_host": api.FAKE_BOOTSTRAP_HOST, "bootstrap_room": random.getrandbits(63)}
+        if bootstrap_port is not None:
+            pd["bootstrap_port"] = bootstrap_port
     try:
         with anyio.fail_after(timeout):
             gen = await engine.async_generate(
-                input_ids=[0, 1, 2, 3],
+                input_ids=[10, 11, 12, 13],
                 sampling_params={"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
                 stream=True,
-                bootstrap_host=api.FAKE_BOOTSTRAP_HOST,
-                bootstrap_port=bootstrap_port,
-                bootstrap_room=random.getrandbits(63),
                 rid=f"warmup-{uuid.uuid4().hex}",
+                **pd,
             )
             async with aclosing(gen) as chunks:
                 async for chunk in chunks:
                     reason = (chunk.get("meta_info") or {}).get("finish_reason") or {}
                     kind = reason.get("type") if isinstance(reason, dict) else reason
                     if isinstance(kind, str) and kind.startswith(("abort", "error")):
-                        raise EngineFailure(f"prefill warm-up failed: {reason}")
+                        raise EngineFailure(f"{role} warm-up failed: {reason}")
     except TimeoutError as exc:
-        raise EngineFailure(f"prefill warm-up timed out after {timeout} s") from exc
+        raise EngineFailure(f"{role} warm-up timed out after {timeout} s") from exc
     except EngineFailure:
         raise
     except Exception as exc:
-        raise EngineFailure(f"prefill warm-up failed: {exc!r}") from exc
+        raise EngineFailure(f"{role} warm-up failed: {exc!r}") from exc
 
 
 async def shutdown_engine(engine: Any, tm: Any) -> BaseException | None:

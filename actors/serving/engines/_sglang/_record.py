@@ -1,14 +1,19 @@
 """The signature record of every SGLang call the SGLang backend makes.
 
-SGLang cannot run on CPU-only machines, so the backend is tested against fakes built from a
-checked-in record (``sglang_api.json``) of the exact signatures it calls: parameter names, kinds,
-whether each has a default (and the default's ``repr`` when it is a plain literal), and whether the
-callable is async. This module writes that record:
+SGLang cannot run on CPU-only machines, so the backend is tested against fakes built from
+checked-in records (``records/<sglang version>.json``, one per SGLang version the backend supports)
+of the exact signatures it calls: parameter names, kinds, whether each has a default (and the
+default's ``repr`` when it is a plain literal), and whether the callable is async. Every test of
+the backend runs against every record. This module writes a record:
 
 - ``python -m actors.serving.engines._sglang._record`` inspects the installed ``sglang``
   (``inspect``);
 - ``python -m actors.serving.engines._sglang._record --from-source PATH`` reads an SGLang source
   tree (a git checkout, or an unpacked wheel) with ``ast``, importing nothing from it.
+
+Either writes ``records/<version>.json`` for the version it found (``--output`` elsewhere);
+``--check`` compares instead of writing. Only the tests read the records: the backend itself
+inspects the live SGLang (``_config.load_sglang_api``) and never opens them.
 
 Instance attributes (``Engine.port_args``, ``TokenizerManager.rid_to_state``, ...) are always found
 with ``ast`` (assignments to ``self.<name>`` and class-level annotations), since ``inspect`` cannot
@@ -23,6 +28,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -35,6 +41,7 @@ from actors.serving.engines._sglang._source import (
     class_fields,
     commit_from_tree,
     constant,
+    exception_class,
     fields_from_sources,
     find_method,
     function_params,
@@ -50,14 +57,32 @@ __all__ = [
     "CALLABLES",
     "CLASSES",
     "CONSTANTS",
-    "RECORD_PATH",
+    "EXCEPTIONS",
+    "RECORDS_DIR",
     "build_from_installed",
     "build_from_source",
     "main",
+    "record_path",
+    "record_paths",
 ]
 
-RECORD_PATH = Path(__file__).with_name("sglang_api.json")
-FORMAT = 1
+RECORDS_DIR = Path(__file__).with_name("records")
+FORMAT = 2
+
+
+def _version_key(version: str) -> tuple[tuple[int, str], ...]:
+    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"[.+-]", version))
+
+
+def record_path(version: str, records_dir: Path | None = None) -> Path:
+    """Where the record of SGLang ``version`` is kept."""
+    return (records_dir or RECORDS_DIR) / f"{version}.json"
+
+
+def record_paths(records_dir: Path | None = None) -> list[Path]:
+    """Every checked-in record, oldest SGLang version first."""
+    return sorted((records_dir or RECORDS_DIR).glob("*.json"), key=lambda p: _version_key(p.stem))
+
 
 _ENGINE = ("sglang.srt.entrypoints.engine",)
 _TM = ("sglang.srt.managers.tokenizer_manager",)
@@ -118,6 +143,14 @@ CONSTANTS: dict[str, Target] = {
     "FAKE_BOOTSTRAP_HOST": Target(
         ("sglang.srt.disaggregation.utils",), "", member="FAKE_BOOTSTRAP_HOST"
     ),
+}
+
+# Exceptions the backend tells apart from SGLang's other errors. A version may lack one: its
+# record then says ``null``.
+EXCEPTIONS: dict[str, Target] = {
+    # SGLang <= 0.5.17: a request flagged by abort_request (or pause_generation's abort_all) before
+    # it was dispatched fails with it (a ValueError) instead of ending with an abort finish reason.
+    "RequestAbortedError": Target(_TM, "RequestAbortedError"),
 }
 
 # Instance attributes the backend reads, per class; the record lists which of them exist.
@@ -188,6 +221,18 @@ def build_from_installed() -> dict[str, Any]:
     for key, t in CONSTANTS.items():
         mod, module = _import_first(t.modules, str(t.member))
         constants[key] = {"module": mod, "value": getattr(module, str(t.member))}
+    exceptions: dict[str, Any] = {}
+    for key, t in EXCEPTIONS.items():
+        try:
+            _, module = _import_first(t.modules, t.cls)
+        except LookupError:
+            exceptions[key] = None
+            continue
+        exc = getattr(module, t.cls)
+        exceptions[key] = {
+            "module": exc.__module__,
+            "bases": [b.__name__ for b in exc.__bases__],
+        }
     root = Path(sglang.__file__).resolve().parent.parent
     version = str(getattr(sglang, "__version__", "unknown"))
     commit = commit_from_tree(root)
@@ -199,6 +244,7 @@ def build_from_installed() -> dict[str, Any]:
         callables=callables,
         classes=classes,
         constants=constants,
+        exceptions=exceptions,
         attributes=_attributes(SourceTree(root)),
     )
 
@@ -240,6 +286,7 @@ def build_from_source(
     constants: dict[str, Any] = {}
     for key, t in CONSTANTS.items():
         constants[key] = constant(tree, t)
+    exceptions = {key: exception_class(tree, t) for key, t in EXCEPTIONS.items()}
     version, tree_commit = version_from_tree(tree)
     return _assemble(
         version=version,
@@ -249,6 +296,7 @@ def build_from_source(
         callables=callables,
         classes=classes,
         constants=constants,
+        exceptions=exceptions,
         attributes=_attributes(tree),
     )
 
@@ -262,6 +310,7 @@ def _assemble(
     callables: Mapping[str, Any],
     classes: Mapping[str, Any],
     constants: Mapping[str, Any],
+    exceptions: Mapping[str, Any],
     attributes: Mapping[str, Any],
 ) -> dict[str, Any]:
     return {
@@ -271,6 +320,7 @@ def _assemble(
         "callables": dict(sorted(callables.items())),
         "classes": dict(sorted(classes.items())),
         "constants": dict(sorted(constants.items())),
+        "exceptions": dict(sorted(exceptions.items())),
         "attributes": dict(sorted(attributes.items())),
     }
 
@@ -284,12 +334,14 @@ def _sha256(path: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None, *, out: Callable[[str], object] = print) -> int:
-    """Regenerate ``sglang_api.json`` (``--check`` compares instead of writing)."""
+    """Write ``records/<version>.json`` (``--check`` compares instead of writing)."""
     parser = argparse.ArgumentParser(prog="python -m actors.serving.engines._sglang._record")
     parser.add_argument("--from-source", type=Path, help="an SGLang source tree (read with ast)")
     parser.add_argument("--wheel", type=Path, help="the wheel the tree was unpacked from")
     parser.add_argument("--commit", help="the SGLang commit the tree was taken from")
-    parser.add_argument("--output", type=Path, default=RECORD_PATH)
+    parser.add_argument(
+        "--output", type=Path, help="where to write (default: records/<sglang version>.json)"
+    )
     parser.add_argument("--check", action="store_true", help="fail if the record would change")
     args = parser.parse_args(argv)
     if args.from_source is not None:
@@ -300,15 +352,17 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], object] = pr
     else:
         record = build_from_installed()
     text = json.dumps(record, indent=1, sort_keys=False) + "\n"
+    output: Path = args.output or record_path(record["sglang"]["version"])
     if args.check:
-        current = args.output.read_text(encoding="utf-8") if args.output.exists() else ""
+        current = output.read_text(encoding="utf-8") if output.exists() else ""
         if current != text:
-            out(f"{args.output} is out of date")
+            out(f"{output} is out of date")
             return 1
-        out(f"{args.output} is up to date")
+        out(f"{output} is up to date")
         return 0
-    args.output.write_text(text, encoding="utf-8")
-    out(f"wrote {args.output} (sglang {record['sglang']['version']}, {record['sglang']['method']})")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text, encoding="utf-8")
+    out(f"wrote {output} (sglang {record['sglang']['version']}, {record['sglang']['method']})")
     return 0
 
 

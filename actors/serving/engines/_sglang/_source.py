@@ -1,8 +1,9 @@
 """Read an SGLang source tree with ``ast`` (nothing of it is imported or executed).
 
-The reading half of the signature record (``_sglang_record``): find a class as a module sees it
+The reading half of the signature records (``_record``): find a class as a module sees it
 (defined there or imported into it), walk its bases, and describe methods, fields (msgspec
-structs, dataclasses, pydantic models), module constants and the attributes instances get.
+structs, dataclasses, pydantic models), module constants, the attributes instances get, and
+exception classes (which some SGLang versions have and others lack).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "class_fields",
     "commit_from_tree",
     "constant",
+    "exception_class",
     "fields_from_sources",
     "find_method",
     "function_params",
@@ -326,3 +328,13 @@ def constant(tree: SourceTree, t: Target) -> dict[str, Any]:
             ):
                 return {"module": mod, "value": ast.literal_eval(node.value)}
     raise LookupError(f"constant {t.member} not found in {list(t.modules)}")
+
+
+def exception_class(tree: SourceTree, t: Target) -> dict[str, Any] | None:
+    """Where the class ``t.cls`` is defined and its bases' names; ``None`` where it is absent."""
+    for mod in t.modules:
+        found = tree.find_class(mod, t.cls)
+        if found is not None:
+            module, node = found
+            return {"module": module, "bases": [ast.unparse(b).split(".")[-1] for b in node.bases]}
+    return None

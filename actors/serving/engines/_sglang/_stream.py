@@ -63,6 +63,9 @@ class StreamConfig:
     dp_param: str | None  # "routed_dp_rank" (newer SGLang) or "data_parallel_rank"
     supports_priority: bool
     retry_aborts: bool
+    # What this SGLang raises for a request an abort flagged before its dispatch (SGLang <= 0.5.17
+    # has RequestAbortedError, a ValueError; newer versions have none).
+    aborted_errors: tuple[type[Exception], ...] = ()
 
 
 class _Owner(Protocol):
@@ -250,6 +253,8 @@ class RequestStream:
                 return _END
             except RequestError:
                 raise
+            except self._config.aborted_errors as exc:
+                return self._aborted_before_dispatch(exc)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from exc
             except Exception as exc:
@@ -279,6 +284,15 @@ class RequestStream:
         if self._shutdown or self._owner.closing:
             raise EngineShutdown("the SGLang engine shut down while the request ran")
         raise StreamIncomplete("the SGLang stream ended without a finish reason")
+
+    def _aborted_before_dispatch(self, exc: Exception) -> _Stopped:
+        """SGLang failed the request because an abort flagged it before its dispatch (in 0.5.17,
+        ``pause_generation``'s abort flags every request it knows): an abort, never the client's
+        invalid request. SGLang dropped the request locally: nothing is left to abort."""
+        self._finished = True
+        if self.client_aborted:
+            return _STOPPED
+        raise self._worker_abort({"type": "abort", "message": str(exc)}) from exc
 
     def _worker_abort(self, reason: Any) -> RequestError:
         """The error for an abort the client did not ask for: never reported as "cancelled"."""

@@ -1,0 +1,98 @@
+"""The GPU suite: the ``sglang`` backend against real SGLang on a GPU host.
+
+CI has no GPU, so ``tests/conftest.py`` leaves this folder out of collection unless
+``ACTORSERVE_GPU_MODEL`` names a model folder; ``tests/gpu/run.sh`` sets it on the GPU host (see
+docs/pages/development.md, "The GPU suite"). The CPU side of everything here (configuration,
+signatures, routing by KV events, migration) is covered in CI with fakes and the mock engine.
+
+The model is a config with SGLang's dummy (seeded random) weights: real engine timing and
+deterministic greedy tokens, meaningless text. One tree per module: an SGLang engine takes
+half a minute to start, so tests in a module share it and leaks are checked per module (no
+child process, no GPU memory held by a process of ours) instead of per test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.helpers.timetrap import timetrap
+
+MODEL = Path(os.environ.get("ACTORSERVE_GPU_MODEL", "."))
+TIMETRAP_S = 600  # a worker restart is an SGLang start plus its warm-up
+
+
+def sglang_args(mem_fraction: float, **more: Any) -> dict[str, Any]:
+    """Server args every GPU test uses (SGLang 0.5.17 on Hopper without FA3, see
+    ../shared/gpu): triton attention, torch sampling, no CUDA graphs, dummy weights."""
+    return {
+        "model_path": str(MODEL),
+        "load_format": "dummy",
+        "attention_backend": "triton",
+        "sampling_backend": "pytorch",
+        "grammar_backend": "none",
+        "disable_cuda_graph": True,
+        "mem_fraction_static": mem_fraction,
+        "page_size": 16,
+        "log_level": "warning",
+        **more,
+    }
+
+
+def gpu_processes() -> list[int]:
+    """PIDs holding GPU memory now (nvidia-smi's compute apps)."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [int(line) for line in out.split() if line.strip().isdigit()]
+
+
+def _counts_as_leak(proc: psutil.Process) -> bool:
+    try:
+        forkserver = "actors.process._forkserver" in " ".join(proc.cmdline())
+        return not forkserver and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False  # gone, or a zombie
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    # SGLang's engine is asyncio-only; its clear refusal on trio is tested in CI.
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks() -> Iterator[None]:
+    # Per module instead (see _module_leaves_nothing): the module's tree outlives each test.
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _timetrap() -> Iterator[None]:
+    with timetrap(TIMETRAP_S):
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_leaves_nothing() -> Iterator[None]:
+    yield
+    me = psutil.Process()
+    deadline = time.monotonic() + 30.0
+    while True:
+        children = [c.pid for c in me.children(recursive=True) if _counts_as_leak(c)]
+        holders = gpu_processes()
+        if (not children and not holders) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not children, f"processes left behind: {children}"
+    assert not holders, f"GPU memory still held by {holders}"
