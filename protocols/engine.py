@@ -33,6 +33,7 @@ __all__ = [
     "RoutingHints",
     "SamplingOptions",
     "StopConditions",
+    "TokenLogprob",
     "Usage",
     "normalize_finish_reason",
 ]
@@ -104,6 +105,9 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     comes from a draining decode worker through ``bootstrap_info``: the engine admits it at once
     or fails it with ``KVTransferError`` (never queues it), so its request stream can fall back
     to token replay without waiting; its first output repeats the last token.
+
+    ``logprobs`` asks for each new token's log probability and that many most likely
+    alternatives (0: the token's own only); ``None``: no log probabilities.
     """
 
     rid: str
@@ -116,6 +120,7 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str | None = None
     health_check: bool = False
     live_migration: bool = False
+    logprobs: int | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -126,6 +131,15 @@ class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log probability, and the most likely tokens (``top_ids``, most
+    likely first) with theirs, all from the distribution the token was drawn from."""
+
+    logprob: float
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
 class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -141,6 +155,8 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     request's sequence (its ``token_ids``, then its output tokens) the offered KV will hold, so
     that the next decode worker can be asked for the continuation while the draining engine's
     step in flight still runs.
+
+    ``logprobs`` (when the request asked for them) has one entry per new token id.
     """
 
     token_ids: list[int] = msgspec.field(default_factory=list)
@@ -149,6 +165,7 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
     disaggregated_params: BootstrapInfo | None = None
     handover_tokens: int | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -296,6 +313,7 @@ for _cls in (
     RoutingHints,
     PreprocessedRequest,
     Usage,
+    TokenLogprob,
     EngineOutput,
     Capacity,
     PauseMode,

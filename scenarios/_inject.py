@@ -68,7 +68,7 @@ class Target:
     client: httpx.AsyncClient
     clock: Clock
     workload: Workload
-    fail_start_file: Path | None = None
+    fail_start_file: Path | None = None  # "{worker}" in it stands for the worker's id
     root_process: RootProcess | None = None
     extra: list[RequestRecord] = attrs.field(factory=list)  # requests faults sent
 
@@ -273,7 +273,9 @@ async def _drop_publisher(fault: DropPublisher, target: Target, record: FaultRec
 async def _crash_loop(fault: CrashLoop, target: Target, record: FaultRecord) -> None:
     if target.fail_start_file is None:
         raise RuntimeError("the topology has no fail_start_file (a mock engine is needed)")
-    target.fail_start_file.write_text(str(fault.failures))
+    # The target's own count: another worker restarting meanwhile must start normally.
+    own = anyio.Path(str(target.fail_start_file).replace("{worker}", record.target))
+    await own.write_text(str(fault.failures))
     pid = await target.pid(record.target)
     os.kill(pid, signal.SIGKILL)
     record.injected_at = target.clock.now()

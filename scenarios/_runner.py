@@ -95,9 +95,8 @@ def run(scenario: Scenario, *, backend: str = "asyncio", plot: str | Path | None
 def _prepared(scenario: Scenario, tmp: Path) -> ServeConfig:
     config = scenario.topology
     if any(isinstance(f, CrashLoop) for f in scenario.faults) and config.backend == "mock":
-        # The engines count their failed starts down in this file (0: start normally).
-        path = tmp / "fail-starts"
-        path.write_text("0")
+        # Each engine counts its failed starts down in its worker's file (none: start normally).
+        path = tmp / "fail-starts-{worker}"
         config = attrs.evolve(
             config, engine_args={**config.engine_args, "fail_start_file": str(path)}
         )

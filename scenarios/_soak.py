@@ -138,8 +138,7 @@ async def _serve_and_soak(
     config: SoakConfig, tmp: Path, report: SoakReport, progress: Callable[[str], None]
 ) -> str:
     """Serve, soak, settle; what is not routable after the load ("" when all are)."""
-    fail_file = tmp / "fail-starts"
-    fail_file.write_text("0")  # the engines count their failed starts down in it
+    fail_file = tmp / "fail-starts-{worker}"  # each engine counts its failed starts down in its own
     serving = Serving(soak_topology(fail_file))
     workers = list(serving.roles)
     async with open_tree(serving) as root:

@@ -13,7 +13,7 @@ import anyio
 from prometheus_client import CollectorRegistry, Counter
 
 from actors.serving.frontend import ByteTokenizer, EndpointStatus, ModelInfo, Tokenizer
-from protocols.engine import EngineOutput, FinishReason, PreprocessedRequest, Usage
+from protocols.engine import EngineOutput, FinishReason, PreprocessedRequest, TokenLogprob, Usage
 
 __all__ = ["ANSWER", "CONTEXT", "MODEL", "FakeBackend"]
 
@@ -28,7 +28,8 @@ class FakeBackend:
     Knobs a test sets before its requests: ``error_before`` (raised by ``generate``),
     ``error_after`` (raised after that many outputs), ``delay`` (seconds before each output),
     ``hang_after`` (after that many outputs, wait forever), ``finish_error`` (the terminal output
-    says ``error``), ``truncate`` (end without a finish reason), ``ready``.
+    says ``error``), ``truncate`` (end without a finish reason), ``ready``. A request that asks
+    for logprobs gets made-up ones: each token the most likely, its alternatives the next ids.
     It records every request, and which ones were cancelled (closed before they finished).
     """
 
@@ -80,6 +81,7 @@ class FakeBackend:
         finished = False
         try:
             for n, piece in enumerate(pieces):
+                logprobs = _logprobs(piece, request.logprobs)
                 if self.error_after is not None and n == self.error_after[0]:
                     raise self.error_after[1]
                 if self.hang_after is not None and n == self.hang_after:
@@ -88,7 +90,7 @@ class FakeBackend:
                     await anyio.sleep(self.delay)
                 last = n == len(pieces) - 1
                 if last and self.truncate:
-                    yield EngineOutput(token_ids=piece)
+                    yield EngineOutput(token_ids=piece, logprobs=logprobs)
                     finished = True
                     return
                 if last:
@@ -100,12 +102,17 @@ class FakeBackend:
                     finished = True
                     if self.finish_error is not None:
                         yield EngineOutput(
-                            token_ids=piece, finish_reason="error", error=self.finish_error
+                            token_ids=piece,
+                            finish_reason="error",
+                            error=self.finish_error,
+                            logprobs=logprobs,
                         )
                         return
-                    yield EngineOutput(token_ids=piece, finish_reason=reason, usage=usage)
+                    yield EngineOutput(
+                        token_ids=piece, finish_reason=reason, usage=usage, logprobs=logprobs
+                    )
                     return
-                yield EngineOutput(token_ids=piece)
+                yield EngineOutput(token_ids=piece, logprobs=logprobs)
         finally:
             # Reached without "finished": the consumer closed or cancelled us mid-stream.
             if finished:
@@ -113,3 +120,13 @@ class FakeBackend:
             else:
                 self.cancelled.append(request.rid)
                 self.cancel_seen.set()
+
+
+def _logprobs(tokens: list[int], top: int | None) -> list[TokenLogprob] | None:
+    """Made-up logprobs for ``tokens`` (``top`` alternatives each), or ``None`` for no request."""
+    if top is None:
+        return None
+    return [
+        TokenLogprob(-0.25, [t + i for i in range(top)], [-0.25 - i for i in range(top)])
+        for t in tokens
+    ]

@@ -420,13 +420,14 @@ class FakeTokenizerManager:
                     yield self._terminal(state, rid, prompt, [], state.aborted)
                     return
                 token = 100 + i
+                logprobs = _logprobs(args, i + 1)
                 if i == n - 1:
                     yield self._terminal(
-                        state, rid, prompt, [token], {"type": "length", "length": n}
+                        state, rid, prompt, [token], {"type": "length", "length": n}, logprobs
                     )
                     return
                 meta = {"id": rid, "finish_reason": None, "prompt_tokens": len(prompt)}
-                yield {"output_ids": [token], "meta_info": meta}
+                yield {"output_ids": [token], "meta_info": meta | logprobs}
                 await asyncio.sleep(0)
         except BaseException:
             # SGLang's cleanup: abort a dispatched request, drop an undelivered one locally
@@ -438,7 +439,13 @@ class FakeTokenizerManager:
             raise
 
     def _terminal(
-        self, state: FakeState, rid: str, prompt: list[int], ids: list[int], reason: Any
+        self,
+        state: FakeState,
+        rid: str,
+        prompt: list[int],
+        ids: list[int],
+        reason: Any,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         self.rid_to_state.pop(rid, None)  # the handle loop drops a finished request first
         done = 0 if reason["type"] == "abort" else int(reason.get("length", len(ids)))
@@ -450,8 +457,22 @@ class FakeTokenizerManager:
                 "prompt_tokens": len(prompt),
                 "completion_tokens": done,
                 "cached_tokens": 3,
+                **(logprobs or {}),
             },
         }
+
+
+def _logprobs(args: dict[str, Any], n: int) -> dict[str, Any]:
+    """SGLang's logprobs of the first ``n`` output tokens (token ``i`` is ``100 + i``), as its
+    ``meta_info`` carries them when asked: ``(logprob, token id, text)`` tuples (no text with
+    ``skip_tokenizer_init``), each list from the first token on, as SGLang accumulates them."""
+    if not args["return_logprob"]:
+        return {}
+    assert args["logprob_start_len"] == -1  # no prompt logprobs: they cost a prefill pass
+    k = args["top_logprobs_num"] or 0
+    chosen = [(-0.5 * (i + 1), 100 + i, None) for i in range(n)]
+    top = [[(lp - j, token + j, None) for j in range(k)] for lp, token, _ in chosen]
+    return {"output_token_logprobs": chosen, "output_top_logprobs": top}
 
 
 _WILDCARDS = ("*", "::", "0.0.0.0")

@@ -33,6 +33,7 @@ from actors.serving.engines._hf import (
 )
 from actors.serving.engines._hf._kv import PagePool
 from actors.serving.engines._hf._model import load_model
+from actors.serving.engines._hf._sampling import SamplingParams, sample
 from actors.testing import wait_until
 from protocols.engine import (
     Engine,
@@ -232,8 +233,34 @@ async def test_chat_prompt_names_paris(ref: Reference) -> None:
         prompt = ref.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_dict=False
         )
-        tokens, _ = await collect(engine.generate(req("paris", list(prompt), 16)))
+        paris = msgspec.structs.replace(req("paris", list(prompt), 16), logprobs=2)
+        outputs = [out async for out in engine.generate(paris)]
+        tokens = [t for out in outputs for t in out.token_ids]
         assert "Paris" in ref.tokenizer.decode(tokens, skip_special_tokens=True)
+        # Greedy: each token the most likely of the model's log-softmax, one entry per token.
+        logprobs = [lp for out in outputs for lp in out.logprobs or ()]
+        assert [lp.top_ids[0] for lp in logprobs] == tokens
+        assert all(lp.logprob == lp.top_logprobs[0] <= 0.0 for lp in logprobs)
+        assert all(lp.top_logprobs[1] <= lp.top_logprobs[0] for lp in logprobs)
+
+
+def test_logprobs_are_those_of_the_distribution_drawn_from() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0])
+    generator = torch.Generator()
+    kw: dict[str, Any] = {"prompt": [0], "output": [], "banned": [], "generator": generator}
+    token, logprob = sample(logits, SamplingParams(temperature=0.0), logprobs=3, **kw)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert token == 4 and logprob is not None
+    assert logprob.top_ids == [4, 0, 1] and logprob.logprob == pytest.approx(float(expected[4]))
+    assert logprob.top_logprobs == pytest.approx(expected[[4, 0, 1]].tolist())
+    # Sampled under top-k 2 at temperature 2: the two survivors, renormalised; the rest -inf.
+    token, logprob = sample(logits, SamplingParams(temperature=2.0, top_k=2), logprobs=3, **kw)
+    kept = torch.log_softmax(logits[[4, 0]] / 2.0, dim=-1).tolist()
+    assert logprob is not None and token in (4, 0) and logprob.top_ids[:2] == [4, 0]
+    assert logprob.top_logprobs[:2] == pytest.approx(kept)
+    assert logprob.top_logprobs[2] == float("-inf")
+    assert logprob.logprob == pytest.approx(kept[[4, 0].index(token)])
+    assert sample(logits, SamplingParams(temperature=0.0), **kw) == (4, None)
 
 
 async def test_seeded_sampling_is_reproducible(ref: Reference) -> None:
@@ -474,9 +501,12 @@ async def test_prefill_export_then_decode_import_matches_aggregated(ref: Referen
         region = np.zeros(16 * layout.page_nbytes, dtype=np.uint8)
         prompt = ref.prompts[0]
         ids = [11, 3, 7][: layout.pages_needed(len(prompt))]
-        kv = await prefill.prefill(req("d0", prompt), region, ids)
+        wanted = msgspec.structs.replace(req("d0", prompt), logprobs=0)
+        kv = await prefill.prefill(wanted, region, ids)
         assert prefill.is_quiescent() and kv.page_ids == tuple(ids) and kv.n_tokens == len(prompt)
         assert kv.first_token == ref.greedy[0][0]
+        # The first token's logprob goes with it, for the client that asked.
+        assert kv.first_logprobs is not None and len(kv.first_logprobs) == 1
 
         # The pages hold exactly transformers' own cache: page t // B, slot t % B.
         pages, bs = layout.as_pages(region), layout.block_size

@@ -4,8 +4,10 @@ conditions, abort, pause, data parallelism, cleanup."""
 from __future__ import annotations
 
 import gc
+import math
 
 import anyio
+import msgspec
 import pytest
 
 from actors.serving.engines import MockEngine, TimingModel
@@ -71,6 +73,25 @@ async def test_same_seed_same_tokens_and_continuation_after_k() -> None:
                 engine, request(f"k{k}", PROMPT + full[:k], max_tokens=30 - k, seed=7)
             )
             assert rest == full[k:]
+
+
+async def test_logprobs_one_per_token_the_chosen_most_likely_and_the_same_after_k() -> None:
+    async with MockEngine(config()) as engine:
+        wanted = msgspec.structs.replace(request("a", PROMPT, max_tokens=20), logprobs=3)
+        outputs = await collect(engine.generate(wanted))
+        assert all(len(o.logprobs or ()) == len(o.token_ids) for o in outputs)
+        full = [lp for o in outputs for lp in o.logprobs or ()]
+        for token, entry in zip(tokens_of(outputs), full, strict=True):
+            assert entry.top_ids[0] == token and entry.top_logprobs[0] == entry.logprob
+            assert entry.top_logprobs == sorted(entry.top_logprobs, reverse=True)
+            assert sum(math.exp(lp) for lp in entry.top_logprobs) < 1
+        rest = msgspec.structs.replace(
+            request("c", PROMPT + tokens_of(outputs)[:5], max_tokens=15), logprobs=3
+        )
+        continued = await collect(engine.generate(rest))
+        assert [lp for o in continued for lp in o.logprobs or ()] == full[5:]
+        plain = await collect(engine.generate(request("b", PROMPT, max_tokens=3)))
+        assert all(o.logprobs is None for o in plain)
 
 
 async def test_determinism_across_engines_and_dp_ranks() -> None:

@@ -28,6 +28,7 @@ from protocols.engine import (
     PreprocessedRequest,
     RoutingHints,
     SamplingOptions,
+    TokenLogprob,
 )
 from protocols.errors import (
     EngineFailure,
@@ -129,6 +130,22 @@ async def test_generate_aggregated(anyio_backend: str, fake: FakeSGLang) -> None
         with pytest.raises(EngineFailure, match="scheduler error") as failed:
             await collect(engine.generate(PreprocessedRequest(rid="bad", token_ids=[777])))
         assert failed.value.migratable
+
+
+async def test_logprobs_map_from_meta_info(anyio_backend: str, fake: FakeSGLang) -> None:
+    async with running(anyio_backend, fake, warmup=False) as engine:
+        if engine is None:
+            return
+        outs = await collect(engine.generate(request(n=3, logprobs=2)))
+        # SGLang's lists run from the first token on: each output takes its new tokens' tail.
+        assert [o.logprobs for o in outs] == [
+            [TokenLogprob(-0.5 * (i + 1), [100 + i, 101 + i], [-0.5 * (i + 1), -0.5 * (i + 1) - 1])]
+            for i in range(3)
+        ]
+        await collect(engine.generate(request("plain", n=2)))
+        wanted, plain = fake.args_of("Engine.async_generate")
+        assert (wanted["return_logprob"], wanted["top_logprobs_num"]) == (True, 2)
+        assert "return_logprob" not in plain
 
 
 @pytest.mark.parametrize("role", ["aggregated", "decode"])

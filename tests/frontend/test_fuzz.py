@@ -79,6 +79,8 @@ SEMANTIC_REFUSALS = {
     ("messages", "context_length_exceeded"),
     ("prompt", "context_length_exceeded"),
     ("min_tokens", "request.invalid"),  # above max_tokens
+    ("top_logprobs", "invalid_value"),  # above 0 without logprobs
+    ("logprobs", "unsupported_value"),  # completions' with echo: no prompt logprobs yet
 }
 JSON = {"content-type": "application/json"}
 BODIES = {

@@ -64,7 +64,7 @@ BAD_BODIES: list[tuple[str, dict[str, Any] | bytes, str | None]] = [
     ("stop a number", chat_body(stop=5), None),
     ("seed too large", chat_body(seed=2**80), "seed"),
     ("n above one", chat_body(n=2), "n"),
-    ("logprobs", chat_body(logprobs=True), "logprobs"),
+    ("top_logprobs above 20", chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("min_tokens above max_tokens", chat_body(max_tokens=2, min_tokens=5), "min_tokens"),
     (
         "image content",

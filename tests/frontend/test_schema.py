@@ -41,9 +41,6 @@ def test_request_bodies_are_published_as_their_models_state_them(app: FastAPI) -
 NOT_YET = [
     (CHAT, "n", [1], 2),
     (COMPLETIONS, "n", [1], 3),
-    (CHAT, "logprobs", [False, None], True),
-    (CHAT, "top_logprobs", [None, 0], 5),
-    (COMPLETIONS, "logprobs", [None], 0),
     (COMPLETIONS, "best_of", [None, 1], 2),
     (COMPLETIONS, "suffix", [None, ""], "and then"),
     (COMPLETIONS, "prompt", ["one", [1, 2], ["one"], [[1, 2]]], ["one", "two"]),

@@ -142,6 +142,21 @@ def test_hf_detokenizer_survives_bad_ids(hf: HFTokenizer) -> None:
     assert detok.step([-1, *ok, 10**12]) == "hello"
 
 
+def test_token_bytes_spell_the_text_token_by_token(hf: HFTokenizer) -> None:
+    from tokenizers import pre_tokenizers
+
+    from actors.serving.frontend._tokenizer import _byte_level_decoder
+
+    assert set(_byte_level_decoder()) == set(pre_tokenizers.ByteLevel.alphabet())
+    for tokenizer in (hf, ByteTokenizer()):
+        ids = tokenizer.encode(" " + TEXT, add_special_tokens=False)
+        # Exact bytes, also of tokens that end mid-character ("🎉" spans several).
+        assert b"".join(tokenizer.token_bytes(t) for t in ids) == (" " + TEXT).encode()
+    assert hf.token_bytes(hf.eos_token_ids[0]) == b"<|im_end|>"  # a special token: its name
+    assert ByteTokenizer().token_bytes(ByteTokenizer.EOS) == b"<eos>"
+    assert hf.token_bytes(10**12) == b""
+
+
 def test_non_fast_tokenizer_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="fast tokenizer"):
         HFTokenizer(object())

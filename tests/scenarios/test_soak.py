@@ -11,7 +11,7 @@ from scenarios import SoakConfig, run_soak
 
 
 async def test_a_short_soak_passes_with_its_checks_exercised() -> None:
-    report = await run_soak(SoakConfig(duration_s=16.0, fault_every_s=5.0, sample_every_s=1.0))
+    report = await run_soak(SoakConfig(duration_s=10.0, fault_every_s=3.0, sample_every_s=0.5))
     assert report.passed, report.text()
     summary = report.summary()
     requests = summary["requests"]

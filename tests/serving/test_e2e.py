@@ -25,8 +25,8 @@ async def _stream_text(
     on_chunk: Callable[[int], None] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """One streamed completion: its text, finish reason, usage and any error event
-    (``on_chunk(n)`` after the n-th chunk with a choice)."""
+    """One streamed completion: its text, finish reason, usage, logprobs (each field's lists
+    joined) and any error event (``on_chunk(n)`` after the n-th chunk with a choice)."""
     body = {
         "model": "mock",
         "prompt": prompt,
@@ -37,6 +37,7 @@ async def _stream_text(
         **extra,
     }
     text, finish, usage, error, chunks = "", None, None, None, 0
+    logprobs: dict[str, list[Any]] = {}
     async with client.stream("POST", "/v1/completions", json=body, timeout=60) as response:
         if response.status_code != 200:
             # Failed before the first output: an HTTP error in OpenAI's format.
@@ -45,6 +46,7 @@ async def _stream_text(
                 "finish": None,
                 "usage": None,
                 "chunks": 0,
+                "logprobs": logprobs,
                 "error": json.loads(await response.aread())["error"],
                 "status": response.status_code,
             }
@@ -61,6 +63,8 @@ async def _stream_text(
             for choice in event.get("choices", []):
                 text += choice.get("text") or ""
                 finish = choice.get("finish_reason") or finish
+                for field, values in (choice.get("logprobs") or {}).items():
+                    logprobs.setdefault(field, []).extend(values)
                 chunks += 1
                 if on_chunk is not None:
                     on_chunk(chunks)
@@ -69,6 +73,7 @@ async def _stream_text(
         "text": text,
         "finish": finish,
         "usage": usage,
+        "logprobs": logprobs,
         "error": error,
         "chunks": chunks,
         "status": 200,
@@ -115,7 +120,9 @@ async def test_sigkill_decode_worker_mid_stream_every_stream_completes_unchanged
     ) as tree:
 
         async def run(client: httpx.AsyncClient, i: int, into: dict[int, dict[str, Any]]) -> None:
-            into[i] = await _stream_text(client, prompts[i], 120)
+            # Half with logprobs: a migration continues them with no gap and no repeat.
+            logprobs = 2 if i % 2 else None
+            into[i] = await _stream_text(client, prompts[i], 120, logprobs=logprobs)
 
         # A fresh client per phase: no keep-alive connection is reused across them.
         baseline: dict[int, dict[str, Any]] = {}
@@ -138,6 +145,8 @@ async def test_sigkill_decode_worker_mid_stream_every_stream_completes_unchanged
         assert faulted[i]["text"] == baseline[i]["text"], i
         assert faulted[i]["finish"] == "length"
         assert faulted[i]["usage"]["completion_tokens"] == 120
+        assert faulted[i]["logprobs"] == baseline[i]["logprobs"], i
+        assert len(faulted[i]["logprobs"].get("tokens", ())) == (120 if i % 2 else 0)
 
 
 async def test_migration_limit_zero_reports_a_typed_error() -> None:

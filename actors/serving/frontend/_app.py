@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -200,6 +200,15 @@ class _App(FastAPI):
         return self.openapi_schema
 
 
+def _with_logprobs(renderer: Renderer, choice: Choice) -> Callable[[str, str | None], bytes]:
+    """The renderer's ``delta``, each frame with the logprobs of the tokens since the last."""
+
+    def delta(text: str, finish_reason: str | None) -> bytes:
+        return renderer.delta(text, finish_reason, choice.take_logprobs())
+
+    return delta
+
+
 async def _on_http_exception(request: Request, exc: HTTPException) -> Response:
     return http_exception_response(exc)
 
@@ -232,7 +241,8 @@ class _Frontend:
             rid = f"chatcmpl-{secrets.token_hex(16)}"
             max_tokens = body.max_completion_tokens or body.max_tokens
             guided = guided_decoding(body.response_format)
-            preq = build_request(rid, prompt, info, body, max_tokens, "messages", guided)
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            preq = build_request(rid, prompt, info, body, max_tokens, "messages", guided, logprobs)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             renderer = ChatRenderer(rid, info.name, int(time.time()), include_usage=include_usage)
             return await self._generate(request, info, preq, renderer, body, m, "")
@@ -250,7 +260,7 @@ class _Frontend:
             rid = f"cmpl-{secrets.token_hex(16)}"
             # OpenAI's default for completions is 16 tokens (chat's is "the rest of the context").
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
-            preq = build_request(rid, prompt, info, body, max_tokens, "prompt", None)
+            preq = build_request(rid, prompt, info, body, max_tokens, "prompt", None, body.logprobs)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             renderer = CompletionRenderer(
                 rid, info.name, int(time.time()), include_usage=include_usage
@@ -287,6 +297,7 @@ class _Frontend:
             prompt_tokens=len(preq.token_ids),
             stop=preq.stop_conditions.stop or (),
             min_tokens=preq.stop_conditions.min_tokens or 0,
+            logprobs=None if preq.logprobs is None else info.tokenizer,
         )
         if body.stream:
             # Everything that touches the backend runs in the response's task: the first output
@@ -341,9 +352,8 @@ class _Frontend:
             return Response(status_code=499)
         text, finish = result
         self._finish(m, "success")
-        return Response(
-            renderer.body(text, finish, choice.final_usage()), media_type="application/json"
-        )
+        body = renderer.body(text, finish, choice.final_usage(), choice.take_logprobs())
+        return Response(body, media_type="application/json")
 
     async def _stream(
         self,
@@ -385,17 +395,15 @@ class _Frontend:
                 if start is not None:
                     frames.append(start)
                 text = echo + text
+                delta = (
+                    _with_logprobs(renderer, choice) if choice.wants_logprobs else renderer.delta
+                )
                 if text or finish is not None:
-                    frames.append(renderer.delta(text, finish))
+                    frames.append(delta(text, finish))
                 # The per-chunk loop: its callables looked up once, the iterator's __anext__
                 # awaited directly (next_output's check is the except below).
                 ready, receive = ready_output(outputs), outputs.__anext__
-                on_output, tokens, delta, send = (
-                    choice.on_output,
-                    m.tokens,
-                    renderer.delta,
-                    writer.send,
-                )
+                on_output, tokens, send = choice.on_output, m.tokens, writer.send
                 try:
                     while finish is None:
                         out = ready()

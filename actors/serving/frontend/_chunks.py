@@ -13,7 +13,15 @@ import msgspec
 
 from protocols.engine import Usage
 
-__all__ = ["DONE_FRAME", "ChatRenderer", "CompletionRenderer", "Renderer", "error_frame"]
+__all__ = [
+    "DONE_FRAME",
+    "ChatRenderer",
+    "CompletionRenderer",
+    "Renderer",
+    "TokenLogprob",
+    "TopLogprob",
+    "error_frame",
+]
 
 _encode = msgspec.json.encode
 
@@ -36,6 +44,37 @@ def _usage(usage: Usage) -> _Usage:
     return _Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, details)
 
 
+# Logprobs -----------------------------------------------------------------------------------
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    """One generated token's logprob and its alternatives, in chat's shape (which completions'
+    legacy shape is made from)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class _ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class _CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 # Chat ---------------------------------------------------------------------------------------
 
 
@@ -47,7 +86,7 @@ class _ChatDelta(msgspec.Struct, omit_defaults=True):
 class _ChatChunkChoice(msgspec.Struct):
     index: int
     delta: _ChatDelta
-    logprobs: None = None
+    logprobs: _ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -70,7 +109,7 @@ class _ChatMessage(msgspec.Struct):
 class _ChatChoice(msgspec.Struct):
     index: int
     message: _ChatMessage
-    logprobs: None = None
+    logprobs: _ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -89,7 +128,7 @@ class _ChatCompletion(msgspec.Struct):
 class _CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: _CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -144,16 +183,28 @@ class Renderer(abc.ABC):
         """The frame that opens a stream, if the API has one."""
 
     @abc.abstractmethod
-    def delta(self, text: str, finish_reason: str | None = None) -> bytes:
-        """A frame with new text, and the finish reason on the last one."""
+    def delta(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
+        """A frame with new text, and the finish reason on the last one; with the logprobs of
+        the tokens since the last frame when the request asked for them."""
 
     @abc.abstractmethod
     def usage(self, usage: Usage) -> bytes:
         """The usage frame (``choices: []``) sent after the last one when asked for."""
 
     @abc.abstractmethod
-    def body(self, text: str, finish_reason: str, usage: Usage) -> bytes:
-        """The whole non-streaming response."""
+    def body(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
+        """The whole non-streaming response (``logprobs``: every token's, when asked for)."""
 
     def _chunk_usage(self) -> msgspec.UnsetType | None:
         return None if self.include_usage else msgspec.UNSET
@@ -168,11 +219,18 @@ class ChatRenderer(Renderer):
         choice = _ChatChunkChoice(0, _ChatDelta(role="assistant", content=""))
         return self._chunk(choice)
 
-    def delta(self, text: str, finish_reason: str | None = None) -> bytes:
-        if text and finish_reason is None:
+    def delta(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
+        if text and finish_reason is None and logprobs is None:
             return self._head + _encode(text) + self._tail  # the usual delta (see __init__)
         delta = _ChatDelta(content=text) if text else _ChatDelta()
-        return self._chunk(_ChatChunkChoice(0, delta, None, finish_reason))
+        # Chunks without new tokens (the last one, often) say null, as OpenAI's do.
+        chat_logprobs = _ChatLogprobs(logprobs) if logprobs else None
+        return self._chunk(_ChatChunkChoice(0, delta, chat_logprobs, finish_reason))
 
     def _frame_of(self, text: str) -> bytes:
         return self._chunk(_ChatChunkChoice(0, _ChatDelta(content=text)))
@@ -194,8 +252,15 @@ class ChatRenderer(Renderer):
         )
         return _frame(_encode(chunk))
 
-    def body(self, text: str, finish_reason: str, usage: Usage) -> bytes:
-        choice = _ChatChoice(0, _ChatMessage("assistant", text), None, finish_reason)
+    def body(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
+        chat_logprobs = None if logprobs is None else _ChatLogprobs(logprobs)
+        choice = _ChatChoice(0, _ChatMessage("assistant", text), chat_logprobs, finish_reason)
         return _encode(
             _ChatCompletion(
                 self.id, "chat.completion", self.created, self.model, [choice], _usage(usage)
@@ -206,18 +271,33 @@ class ChatRenderer(Renderer):
 class CompletionRenderer(Renderer):
     """``text_completion`` frames and body."""
 
-    __slots__ = ()
+    __slots__ = ("_offset",)
+
+    def __init__(self, id: str, model: str, created: int, *, include_usage: bool) -> None:
+        super().__init__(id, model, created, include_usage=include_usage)
+        self._offset = 0  # where the next token's text starts in the choice's text
 
     def start(self) -> bytes | None:
         return None
 
-    def delta(self, text: str, finish_reason: str | None = None) -> bytes:
-        if finish_reason is None:
+    def delta(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
+        if finish_reason is None and logprobs is None:
             return self._head + _encode(text) + self._tail  # the usual delta (see __init__)
-        return self._frame_of(text, finish_reason)
+        # As in chat, a chunk without new tokens says null.
+        return self._frame_of(text, finish_reason, self._legacy(logprobs) if logprobs else None)
 
-    def _frame_of(self, text: str, finish_reason: str | None = None) -> bytes:
-        choice = _CompletionChoice(0, text, None, finish_reason)
+    def _frame_of(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: _CompletionLogprobs | None = None,
+    ) -> bytes:
+        choice = _CompletionChoice(0, text, logprobs, finish_reason)
         chunk = _CompletionChunk(
             self.id, "text_completion", self.created, self.model, [choice], self._chunk_usage()
         )
@@ -229,12 +309,39 @@ class CompletionRenderer(Renderer):
         )
         return _frame(_encode(chunk))
 
-    def body(self, text: str, finish_reason: str, usage: Usage) -> bytes:
-        choice = _CompletionChoice(0, text, None, finish_reason)
+    def body(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
+        choice = _CompletionChoice(0, text, self._legacy(logprobs), finish_reason)
         return _encode(
             _Completion(
                 self.id, "text_completion", self.created, self.model, [choice], _usage(usage)
             )
+        )
+
+    def _legacy(self, logprobs: list[TokenLogprob] | None) -> _CompletionLogprobs | None:
+        """Chat's logprobs in completions' legacy shape, whose ``top_logprobs`` always hold
+        the chosen token (OpenAI: "up to logprobs+1 elements")."""
+        if logprobs is None:
+            return None
+        offsets: list[int] = []
+        top: list[dict[str, float]] = []
+        offset = self._offset
+        for entry in logprobs:
+            offsets.append(offset)
+            # Characters of the text, counted by the bytes that start one: a token ending
+            # mid-character (its text an escape) moves the offset by the characters it starts.
+            offset += sum(1 for byte in entry.bytes if byte & 0xC0 != 0x80)
+            alternatives = {alt.token: alt.logprob for alt in entry.top_logprobs}
+            alternatives.setdefault(entry.token, entry.logprob)
+            top.append(alternatives)
+        self._offset = offset
+        return _CompletionLogprobs(
+            [entry.token for entry in logprobs], [entry.logprob for entry in logprobs], top, offsets
         )
 
 

@@ -99,11 +99,13 @@ def build_request(
     max_tokens: int | None,
     param: str,
     guided: dict[str, object] | None,
+    logprobs: int | None = None,
 ) -> PreprocessedRequest:
     """The engine request; raises 400s for empty prompts and context overflows.
 
     ``max_tokens=None`` means the rest of the context. ``param`` names the prompt's field
-    (``messages`` or ``prompt``) in errors.
+    (``messages`` or ``prompt``) in errors. ``logprobs``: how many alternatives per token the
+    client wants with each token's logprob (``None``: no logprobs).
     """
     n_prompt, ctx = len(prompt), info.context_length
     if n_prompt == 0:
@@ -139,4 +141,5 @@ def build_request(
         ),
         eos_token_ids=info.tokenizer.eos_token_ids,
         model=info.name,
+        logprobs=logprobs,
     )

@@ -26,7 +26,9 @@ from pydantic import (
     GetCoreSchemaHandler,
     GetJsonSchemaHandler,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
+    field_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
@@ -166,13 +168,24 @@ class ChatCompletionRequest(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: TokenCount | None = None
-    logprobs: Annotated[
-        bool | None, _Accepts("only false or null: logprobs are not supported yet", (False, None))
-    ] = False
+    logprobs: bool | None = False
     top_logprobs: Annotated[
-        int | None, _Accepts("only null or 0: logprobs are not supported yet", (None, 0))
+        int | None,
+        Field(
+            ge=0,
+            le=20,
+            description="How many most likely tokens to return per token: "
+            "more than 0 needs `logprobs` true.",
+        ),
     ] = None
     response_format: ResponseFormat | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs set to true")
+        return value
 
 
 class CompletionRequest(_Sampling):
@@ -187,7 +200,13 @@ class CompletionRequest(_Sampling):
     ]
     echo: bool = False
     logprobs: Annotated[
-        int | None, _Accepts("only null: logprobs are not supported yet", (None,))
+        int | None,
+        Field(
+            ge=0,
+            le=5,
+            description="How many most likely tokens to return per token "
+            "(with the chosen one's): not with `echo`, the prompt's are not supported yet.",
+        ),
     ] = None
     best_of: Annotated[
         int | None, _Accepts("only null or 1: best_of > 1 is not supported yet", (None, 1))
@@ -195,6 +214,15 @@ class CompletionRequest(_Sampling):
     suffix: Annotated[
         Str | None, _Accepts("only null or empty: suffix is not supported yet", (None, ""))
     ] = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("echo"):
+            raise PydanticCustomError(
+                "unsupported_value", "logprobs with echo: prompt logprobs are not supported yet"
+            )
+        return value
 
 
 # --- responses (documentation only) ------------------------------------------------------------
@@ -216,10 +244,25 @@ class ResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -232,10 +275,20 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: ``top_logprobs`` maps token texts to logprobs, the chosen one's
+    included; ``text_offset`` is where each token's text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 

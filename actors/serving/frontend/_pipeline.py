@@ -12,11 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from protocols.engine import EngineOutput, Usage
+from protocols.engine import TokenLogprob as EngineLogprob
 from protocols.errors import EngineFailure, RequestCancelled
 
-from ._tokenizer import Detokenizer
+from ._chunks import TokenLogprob, TopLogprob
+from ._tokenizer import Detokenizer, Tokenizer
 
 __all__ = ["Choice", "StopMatcher"]
+
+#: What a token outside the distribution it was drawn from is reported with: JSON has no -inf
+#: (OpenAI and vLLM say the same).
+_LOGPROB_FLOOR = -9999.0
 
 
 class StopMatcher:
@@ -93,11 +99,18 @@ class Choice:
     :meth:`on_output` returns the text to send for an output and the finish reason once the
     choice is complete (``stop`` or ``length``). It raises :class:`~protocols.errors.RequestError`
     for an output that ends the request badly (an engine error, a server-side abort).
+
+    With ``logprobs`` (the model's tokenizer, when the request asked for logprobs) it also
+    collects each token's logprob, which :meth:`take_logprobs` hands out for the next frame sent:
+    where the detokeniser or a stop string holds text back, a token's text and its logprob may
+    go out in different frames.
     """
 
     __slots__ = (
         "_detok",
+        "_logprobs",
         "_min_tokens",
+        "_pending",
         "_stop",
         "_stops",
         "completion_tokens",
@@ -112,8 +125,11 @@ class Choice:
         prompt_tokens: int,
         stop: Sequence[str] = (),
         min_tokens: int = 0,
+        logprobs: Tokenizer | None = None,
     ) -> None:
         self._detok = detokenizer
+        self._logprobs = logprobs
+        self._pending: list[TokenLogprob] = []
         self._stop = StopMatcher(stop)
         self._stops = any(stop)  # else feeding the matcher is a no-op: skipped per output
         self._min_tokens = min_tokens
@@ -126,6 +142,8 @@ class Choice:
         text = ""
         if out.token_ids:
             self.completion_tokens += len(out.token_ids)
+            if self._logprobs is not None and out.logprobs:
+                self._collect(out.token_ids, out.logprobs)
             text = self._detok.step(out.token_ids)
             # Like vLLM, stop strings count only once min_tokens were generated.
             if self._stops and self.completion_tokens >= self._min_tokens:
@@ -148,6 +166,28 @@ class Choice:
             return text, "stop"
         return text + self._stop.release(), reason
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self._logprobs is not None
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The logprobs collected since the last call (``None`` if the request wants none)."""
+        if self._logprobs is None:
+            return None
+        taken, self._pending = self._pending, []
+        return taken
+
+    def _collect(self, token_ids: Sequence[int], logprobs: Sequence[EngineLogprob]) -> None:
+        tokenizer = self._logprobs
+        assert tokenizer is not None
+        for token_id, entry in zip(token_ids, logprobs, strict=False):
+            top: list[TopLogprob] = []
+            for alt, logprob in zip(entry.top_ids, entry.top_logprobs, strict=False):
+                alt_token, alt_bytes = _token(tokenizer, alt)
+                top.append(TopLogprob(alt_token, max(logprob, _LOGPROB_FLOOR), alt_bytes))
+            token, data = _token(tokenizer, token_id)
+            self._pending.append(TokenLogprob(token, max(entry.logprob, _LOGPROB_FLOOR), data, top))
+
     def final_usage(self) -> Usage:
         """The engine's usage when it sent one, else the frontend's own count."""
         if self.usage is not None and self.usage.completion_tokens >= self.completion_tokens:
@@ -158,3 +198,10 @@ class Choice:
             completion_tokens=self.completion_tokens,
             cached_tokens=cached,
         )
+
+
+def _token(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token's text and UTF-8 bytes; bytes that are not whole characters on their own are
+    written as escapes (``\\xe2``), so no two tokens read the same."""
+    data = tokenizer.token_bytes(token_id)
+    return data.decode("utf-8", "backslashreplace"), list(data)

@@ -76,6 +76,10 @@ class Tokenizer(Protocol):
         """A fresh incremental detokeniser for a generation that continues ``prompt_ids``."""
         ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own (a special token's name), for logprobs."""
+        ...
+
 
 # --- the built-in byte-level tokenizer ---------------------------------------------------------
 
@@ -129,6 +133,15 @@ class ByteTokenizer:
     def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
         # Bytes carry no context across the prompt boundary, so the prompt is not needed.
         return _ByteDetokenizer()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < 256:
+            return bytes((token_id,))
+        if token_id == self.BOS:
+            return b"<bos>"
+        if token_id == self.EOS:
+            return b"<eos>"
+        return _word(token_id).encode()
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the mock's vocabulary fits: one lookup per token
@@ -275,6 +288,31 @@ class HFTokenizer:
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
         return _StreamDetokenizer(self._backend, prompt_ids[-_PROMPT_CONTEXT_IDS:])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        token = self._backend.id_to_token(token_id) if 0 <= token_id <= _MAX_TOKEN_ID else None
+        if token is None:
+            return b""
+        if type(self._backend.decoder).__name__ == "ByteLevel":
+            # A byte-level vocabulary spells each byte as one printable character: mapped
+            # back, a token that ends mid-character still gives its exact bytes.
+            table = _byte_level_decoder()
+            if all(ch in table for ch in token):
+                return bytes(table[ch] for ch in token)
+        text: str = self._backend.decode([token_id], skip_special_tokens=False)
+        return text.encode()
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, from character back to byte."""
+    # The alphabet is GPT-2's ``bytes_to_unicode`` image: printable bytes stand for themselves,
+    # the others for 256 + their rank among them.
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
 
 
 def _load(path: str | os.PathLike[str]) -> Any:

@@ -29,7 +29,7 @@ from protocols.errors import (
     StreamStalled,
 )
 
-__all__ = ["Attempt", "Handover", "Prepare", "Progress"]
+__all__ = ["Attempt", "Handover", "Prepare", "Progress", "without_first"]
 
 
 @attrs.frozen
@@ -159,7 +159,8 @@ class Attempt:
         told to the request stream at once (it gets the next worker ready meanwhile)."""
         assert output.disaggregated_params is not None
         offer = self.offer = Handover(self.routed, self.request.rid, output.disaggregated_params)
-        passed = self.accept(EngineOutput(token_ids=output.token_ids)) if output.token_ids else None
+        tokens = EngineOutput(token_ids=output.token_ids, logprobs=output.logprobs)
+        passed = self.accept(tokens) if output.token_ids else None
         covered, owner = output.handover_tokens, self._owner
         if covered is not None and owner is not None:
             generated = self.progress.generated
@@ -182,10 +183,16 @@ class Prepare:
 
 def _drop_repeated(output: EngineOutput, generated: list[int]) -> EngineOutput:
     """A live migration's first output, less the token it repeats (the newest before the hand-
-    over: its KV was not handed over, so the new worker computes it again)."""
+    over: its KV was not handed over, so the new worker computes it again) and its logprob."""
     if not output.token_ids or output.token_ids[0] != generated[-1]:
         raise KVTransferError("the live-migrated request did not resume where it stopped")
-    return msgspec.structs.replace(output, token_ids=output.token_ids[1:])
+    return without_first(output)
+
+
+def without_first(output: EngineOutput) -> EngineOutput:
+    """``output`` less its first token, and that token's logprob with it."""
+    logprobs = None if output.logprobs is None else output.logprobs[1:]
+    return msgspec.structs.replace(output, token_ids=output.token_ids[1:], logprobs=logprobs)
 
 
 def _final(

@@ -18,10 +18,9 @@ import time
 from typing import Any
 
 import anyio
-import msgspec
 
 from actors import ActorError, ActorRef, ReplyStream
-from actors.serving.requests._attempt import Attempt, Progress
+from actors.serving.requests._attempt import Attempt, Progress, without_first
 from actors.serving.routing import Routed
 from protocols.engine import EngineOutput, PreprocessedRequest
 from protocols.errors import KVTransferError, RequestError
@@ -91,7 +90,7 @@ class PrefillFirstAttempt(Attempt):
             self._repeat = None
             if not output.token_ids or output.token_ids[0] != repeat:
                 raise KVTransferError("decode did not resume from the prefill's first token")
-            output = msgspec.structs.replace(output, token_ids=output.token_ids[1:])
+            output = without_first(output)
         return super().accept(output)
 
     def release_prefill(self) -> None:
@@ -120,4 +119,5 @@ class PrefillFirstAttempt(Attempt):
         self._repeat = token
         # The prefill's finish (it ran one step) and bootstrap triple are its own, not the
         # client's: the decode's outputs say how the request goes on and ends.
-        return super().accept(EngineOutput(token_ids=[token]))
+        logprobs = None if output.logprobs is None else output.logprobs[:1]
+        return super().accept(EngineOutput(token_ids=[token], logprobs=logprobs))

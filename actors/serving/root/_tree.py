@@ -71,8 +71,9 @@ class Serving:
     def streams_name(self) -> str:
         return f"{self.config.model}/streams"
 
-    def engine_config(self, role: Role) -> bytes:
-        """The configuration of a ``role`` worker's engine, as its backend takes it."""
+    def engine_config(self, role: Role, worker_id: str = "") -> bytes:
+        """The configuration of the engine of ``worker_id``, a ``role`` worker, as its backend
+        takes it."""
         cfg = self.config
         eos = self.tokenizer.eos_token_ids
         kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.router == "kv_aware"
@@ -84,6 +85,7 @@ class Serving:
             threads=self.hf_threads(),
             memory_release=cfg.memory_release,
             kv_events=kv_events,
+            worker_id=worker_id,
         )
         own = cfg.prefill_engine_args if role == "prefill" else cfg.decode_engine_args
         return self.backend.configure({**cfg.engine_args, **own}, setup)
@@ -161,7 +163,7 @@ def _pool(serving: Serving, role: str) -> ChildSpec:
         worker_spec(
             wid,
             cfg.backend,
-            serving.engine_config(engine_role),
+            serving.engine_config(engine_role, wid),
             process=process,
             health=health,
             directory=serving.table,

@@ -44,6 +44,7 @@ class EngineSetup:
     threads: int = 1  # CPU threads for each engine process
     memory_release: bool = False  # engines that need it set up for release/resume (SGLang)
     kv_events: bool = False  # engines that publish KV events only when asked (SGLang)
+    worker_id: str = ""  # the worker whose engine this configures
 
 
 @attrs.frozen
@@ -92,6 +93,10 @@ def _mock_configure(args: dict[str, Any], setup: EngineSetup) -> bytes:
     args.setdefault("eos_token_id", setup.eos_token_id)
     args.setdefault("model", setup.model)
     args["role"] = setup.role
+    if args.get("fail_start_file"):
+        # "{worker}" in the path gives each worker a count of its own: a crash loop injected
+        # into one worker must not fail the starts of whichever other engine restarts next.
+        args["fail_start_file"] = str(args["fail_start_file"]).replace("{worker}", setup.worker_id)
     return msgspec.msgpack.encode(msgspec.convert(args, MockEngineConfig))
 
 

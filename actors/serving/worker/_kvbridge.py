@@ -351,13 +351,16 @@ class MockTransfer:
     ) -> AsyncGenerator[EngineOutput, None]:
         engine, rid = self.engine, request.rid
         outputs = engine.generate(request)
+        # Once its last output is out the engine owes the KV (its stream is done, so closing it
+        # frees nothing): every way out of here, a close or cancellation at any await included,
+        # must free it, or it stays held until the engine's own transfer timeout (minutes).
         try:
-            async for output in outputs:
-                yield output
-        finally:
-            await outputs.aclose()
-        source = await engine.wait_transfer_source(rid)
-        try:
+            try:
+                async for output in outputs:
+                    yield output
+            finally:
+                await outputs.aclose()
+            source = await engine.wait_transfer_source(rid)
             faults = self._faults
             if faults.armed and faults.take("hold_kv"):
                 # A prefill that hangs mid-handshake: decode waits for KV that never comes.

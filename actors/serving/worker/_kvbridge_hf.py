@@ -105,6 +105,7 @@ class HFTransfer:
                 finish_reason="length",
                 usage=kv.usage,
                 disaggregated_params=request.bootstrap_info,
+                logprobs=kv.first_logprobs,
             )
             await room.send(stage, aux=pack_first_token(kv.first_token))
         finally:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from protocols.engine import EngineOutput, PauseMode, Usage
+from protocols.engine import EngineOutput, PauseMode, TokenLogprob, Usage
 from protocols.errors import EngineFailure, EngineShutdown, RequestError
 
 from ._attention import BATCH_KWARG, Segment, StepBatch, causal_chunk_mask
@@ -47,6 +47,7 @@ class Seq:
     kv_out_ids: list[int] | None = None  # ... at these pages of it (None: 0, 1, ...)
     kv_in: torch.Tensor | None = None  # page buffer holding an imported prompt KV
     kv_in_ids: list[int] | None = None  # ... at these pages of it (None: 0, 1, ...)
+    logprobs: int | None = None  # the request's (see PreprocessedRequest.logprobs)
     output: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     n_cached: int = 0
@@ -160,13 +161,14 @@ class BatchCore:
         for row, seq in enumerate(samplers):
             banned = seq.stop_ids if len(seq.output) + 1 < seq.min_tokens else frozenset()
             try:
-                token = sample(
+                token, logprob = sample(
                     logits[row],
                     seq.params,
                     prompt=seq.prompt,
                     output=seq.output,
                     banned=sorted(banned),
                     generator=seq.generator,
+                    logprobs=seq.logprobs,
                 )
             except Exception as exc:  # e.g. parameters that leave nothing to draw from
                 err = EngineFailure(f"sampling failed: {type(exc).__name__}: {exc}")
@@ -174,7 +176,7 @@ class BatchCore:
                 continue
             seq.output.append(token)
             self.tokens_generated += 1
-            out.append(self._after_token(seq, token))
+            out.append(self._after_token(seq, token, None if logprob is None else [logprob]))
         return out
 
     def fail_all(self, err: RequestError) -> list[Delivery]:
@@ -290,17 +292,17 @@ class BatchCore:
             return "length"
         return None
 
-    def _after_token(self, seq: Seq, token: int) -> Delivery:
+    def _after_token(self, seq: Seq, token: int, logprobs: list[TokenLogprob] | None) -> Delivery:
         if seq.prefill_only:
             assert seq.kv_out is not None
             n = len(seq.prompt)
             pages = seq.pages[: self.pool.layout.pages_needed(n)]
             self.pool.export(pages, n, seq.kv_out, seq.kv_out_ids)
-            return self._finish(seq, "length", token_ids=[token])
+            return self._finish(seq, "length", token_ids=[token], logprobs=logprobs)
         reason = self._stop_reason(seq)
         if reason is None:
-            return Delivery(seq.rid, EngineOutput(token_ids=[token]), done=False)
-        return self._finish(seq, reason, token_ids=[token])
+            return Delivery(seq.rid, EngineOutput(token_ids=[token], logprobs=logprobs), done=False)
+        return self._finish(seq, reason, token_ids=[token], logprobs=logprobs)
 
     def _release(self, seq: Seq) -> None:
         self.pool.free(seq.pages)
@@ -312,13 +314,20 @@ class BatchCore:
         else:
             self.waiting.remove(seq)
 
-    def _finish(self, seq: Seq, reason: str, token_ids: Sequence[int] = ()) -> Delivery:
+    def _finish(
+        self,
+        seq: Seq,
+        reason: str,
+        token_ids: Sequence[int] = (),
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> Delivery:
         if seq in self.running or seq in self.waiting:
             self._release(seq)
         out = EngineOutput(
             token_ids=list(token_ids),
             finish_reason=reason,  # type: ignore[arg-type]
             usage=seq.usage(),
+            logprobs=logprobs,
         )
         return Delivery(seq.rid, out, done=True)
 

@@ -237,7 +237,13 @@ class HFEngine:
         if final is None or not final.token_ids or final.usage is None:
             raise RequestCancelled(f"{seq.rid}: the prefill was aborted")
         return PrefilledKV(
-            seq.rid, final.token_ids[0], len(seq.prompt), pages, tuple(ids), final.usage
+            seq.rid,
+            final.token_ids[0],
+            len(seq.prompt),
+            pages,
+            tuple(ids),
+            final.usage,
+            final.logprobs,
         )
 
     def generate_from_kv(

@@ -63,6 +63,7 @@ def build_seq(request: PreprocessedRequest, limits: Limits) -> Seq:
         min_tokens=stop.min_tokens or 0,
         stop_ids=frozenset(eos | set(stop.stop_token_ids or ())),
         generator=torch.Generator(device=limits.device),
+        logprobs=request.logprobs,
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocols.engine import SamplingOptions
+from protocols.engine import SamplingOptions, TokenLogprob
 
 __all__ = ["SamplingParams", "sample"]
 
@@ -99,10 +99,15 @@ def sample(
     output: Sequence[int],
     banned: Sequence[int],
     generator: torch.Generator,
-) -> int:
-    """Pick the next token from one request's fp32 ``logits`` (shape ``(vocab,)``).
+    logprobs: int | None = None,
+) -> tuple[int, TokenLogprob | None]:
+    """Pick the next token from one request's fp32 ``logits`` (shape ``(vocab,)``), with its
+    logprob and the ``logprobs`` most likely tokens' when asked (``None``: not).
 
-    ``banned`` tokens get no probability (stop tokens before ``min_tokens``).
+    ``banned`` tokens get no probability (stop tokens before ``min_tokens``). The logprobs are
+    those of the distribution the token is drawn from (as OpenAI and vLLM report): after the
+    penalties, the temperature and the top-k, top-p and min-p cuts (greedy: before the
+    temperature, which argmax ignores).
     """
     if params.penalised:
         logits = _apply_penalties(logits, params, prompt, output)
@@ -110,7 +115,10 @@ def sample(
         logits = logits.clone() if not params.penalised else logits
         logits[list(banned)] = float("-inf")
     if params.greedy:
-        return int(torch.argmax(logits))
+        token = int(torch.argmax(logits))
+        if logprobs is None:
+            return token, None
+        return token, _logprob(torch.log_softmax(logits, dim=-1), token, logprobs)
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_k and params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k).values[-1]
@@ -123,4 +131,13 @@ def sample(
         sorted_probs = torch.where(before > params.top_p * sorted_probs.sum(), 0.0, sorted_probs)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     generator.manual_seed(_mix(params.seed, len(prompt) + len(output)))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    if logprobs is None:
+        return token, None
+    return token, _logprob(torch.log(probs / probs.sum()), token, logprobs)
+
+
+def _logprob(logp: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s entry of the log-distribution ``logp``, with its ``top`` most likely."""
+    values, ids = torch.topk(logp, top)
+    return TokenLogprob(float(logp[token]), ids.tolist(), values.tolist())

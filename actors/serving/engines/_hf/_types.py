@@ -9,7 +9,7 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from protocols.engine import MemoryTag, Usage
+from protocols.engine import MemoryTag, TokenLogprob, Usage
 
 __all__ = [
     "HFEngineConfig",
@@ -116,3 +116,4 @@ class PrefilledKV:
     pages: torch.Tensor
     page_ids: tuple[int, ...]
     usage: Usage
+    first_logprobs: list[TokenLogprob] | None = None  # the first token's, when asked for

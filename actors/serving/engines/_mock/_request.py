@@ -12,8 +12,17 @@ from typing import NamedTuple, Protocol, Self
 
 import anyio
 
-from protocols.engine import BootstrapInfo, EngineOutput, FinishReason, PreprocessedRequest, Usage
+from protocols.engine import (
+    BootstrapInfo,
+    EngineOutput,
+    FinishReason,
+    PreprocessedRequest,
+    TokenLogprob,
+    Usage,
+)
 from protocols.errors import RequestError
+
+from ._tokens import TokenModel
 
 __all__ = ["EngineStream", "ExpectedKV", "MockRequest", "Phase", "StreamHost"]
 
@@ -138,6 +147,8 @@ class MockRequest:
 class StreamHost(Protocol):
     """What a stream needs from its rank's scheduler."""
 
+    tokens: TokenModel
+
     def sync(self, req: MockRequest) -> None: ...
 
     def park(self, req: MockRequest) -> anyio.Event: ...
@@ -186,22 +197,22 @@ class EngineStream:
             await host.park(req).wait()
             host.sync(req)
         if req.offer is not None:
-            return _offer(req, req.offer)
-        tokens = req.seq[req.delivered :]
-        req.delivered += len(tokens)
+            return _offer(req, req.offer, host.tokens)
+        tokens, logprobs = _deliver(req, host.tokens)
         if req.error is not None:
             if tokens:
-                return EngineOutput(token_ids=tokens)
+                return EngineOutput(token_ids=tokens, logprobs=logprobs)
             self._closed = True
             raise req.error
         if req.finish_reason is None:
-            return EngineOutput(token_ids=tokens)
+            return EngineOutput(token_ids=tokens, logprobs=logprobs)
         self._closed = True
         return EngineOutput(
             token_ids=tokens,
             finish_reason=req.finish_reason,
             usage=req.usage(),
             disaggregated_params=req.disagg_params,
+            logprobs=logprobs,
         )
 
     async def aclose(self) -> None:
@@ -217,11 +228,25 @@ class EngineStream:
             host.end_later(req)
 
 
-def _offer(req: MockRequest, offer: tuple[BootstrapInfo, int]) -> EngineOutput:
+def _deliver(req: MockRequest, model: TokenModel) -> tuple[list[int], list[TokenLogprob] | None]:
+    """The tokens ``req``'s reader has not had yet, now delivered, and their logprobs if it
+    asked for them."""
+    start = req.delivered
+    tokens = req.seq[start:]
+    req.delivered += len(tokens)
+    top = req.request.logprobs
+    return tokens, None if top is None else model.logprobs(tokens, start, top)
+
+
+def _offer(req: MockRequest, offer: tuple[BootstrapInfo, int], model: TokenModel) -> EngineOutput:
     """A drain's offer of ``req``'s KV, with the tokens its reader has not had yet (the KV may
     cover them: the next worker is asked for the sequence up to ``handover_tokens``)."""
     req.offer = None
-    tokens = [] if req.holding else req.seq[req.delivered :]
-    req.delivered += len(tokens)
+    tokens, logprobs = ([], None) if req.holding else _deliver(req, model)
     bootstrap, covered = offer
-    return EngineOutput(token_ids=tokens, disaggregated_params=bootstrap, handover_tokens=covered)
+    return EngineOutput(
+        token_ids=tokens,
+        disaggregated_params=bootstrap,
+        handover_tokens=covered,
+        logprobs=logprobs,
+    )

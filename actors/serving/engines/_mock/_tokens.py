@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from protocols.engine import TokenLogprob
 from protocols.pages import token_bytes
 
 __all__ = ["TokenModel", "U64Array", "mix64", "mix_in_place"]
@@ -36,6 +37,7 @@ _BASIS = 0xCBF29CE484222325
 _GREEDY_WORD = 0x6A09E667F3BCC908  # seed word of temperature-0 requests
 _SEED_SALT = 0xBB67AE8584CAA73B
 _EOS_BITS = 24
+_LOGPROB_SALT = 0x3C6EF372FE94F82B
 
 _P_U = np.uint64(_P)
 _K_U = np.uint64(_K)
@@ -165,6 +167,22 @@ class TokenModel:
         regular += regular >= self.eos_token_id
         eos = self.emits_eos and (z >> (64 - _EOS_BITS)) < int(self._eos_threshold)
         return regular, eos
+
+    def logprobs(self, tokens: Sequence[int], start: int, top: int) -> list[TokenLogprob]:
+        """Log probabilities for ``tokens``, at positions ``start`` on of their sequence, with
+        ``top`` most likely tokens each: every token the most likely where it stands (as the
+        greedy choice is), its logprob a function of (position, token) only, so any worker that
+        generates the token there (after a migration too) reports the same. The alternatives
+        are the next ids, each far less likely, so the probabilities never sum above 1."""
+        out: list[TokenLogprob] = []
+        for position, token in enumerate(tokens, start):
+            z = mix64(position * _P ^ token ^ _LOGPROB_SALT)
+            first = -0.3 - 0.4 * (z & 0xFFFF) / 0x10000  # a probability in [0.5, 0.74]
+            ids = [(token + j) % self.vocab_size for j in range(top)]
+            out.append(
+                TokenLogprob(first, ids, [first - 1.0 - j if j else first for j in range(top)])
+            )
+        return out
 
     def alternative(self, token: int, banned: frozenset[int]) -> int:
         """A deterministic replacement for a token the request may not produce (min_tokens)."""

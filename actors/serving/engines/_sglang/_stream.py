@@ -31,6 +31,7 @@ from protocols.engine import (
     EngineOutput,
     PauseMode,
     PreprocessedRequest,
+    TokenLogprob,
     Usage,
     normalize_finish_reason,
 )
@@ -99,6 +100,26 @@ def dispatched(state: Any) -> bool | None:
     return None
 
 
+def _logprobs(meta: Mapping[str, Any], n: int) -> list[TokenLogprob] | None:
+    """The logprobs of a chunk's ``n`` new tokens from SGLang's ``meta_info``, whose lists of
+    ``(logprob, token id, text)`` hold the whole output so far or only the new tokens (with
+    incremental streaming): the last ``n`` entries either way. ``None`` when it has fewer than
+    that (a token it reported no logprob for), so that no logprob goes with the wrong token."""
+    chosen = meta.get("output_token_logprobs") or ()
+    if n == 0 or len(chosen) < n:
+        return None
+    tops = meta.get("output_top_logprobs") or ()
+    tops = tops[-n:] if len(tops) >= n else [None] * n
+    return [
+        TokenLogprob(
+            float(entry[0]),
+            [int(alt[1]) for alt in top or ()],
+            [float(alt[0]) for alt in top or ()],
+        )
+        for entry, top in zip(chosen[-n:], tops, strict=True)
+    ]
+
+
 async def _anext(gen: AsyncIterator[Any]) -> Any:
     return await gen.__anext__()
 
@@ -151,6 +172,9 @@ class RequestStream:
             self._bootstrap = boot
         elif cfg.role == "decode" and boot is None:
             raise InvalidRequest("a decode worker needs the request's bootstrap_info")
+        if req.logprobs is not None:
+            # Output logprobs only (-1): prompt logprobs would cost a pass over the prompt.
+            kwargs.update(return_logprob=True, top_logprobs_num=req.logprobs, logprob_start_len=-1)
         if cfg.role != "aggregated" and boot is not None:
             kwargs.update(
                 bootstrap_host=boot.host, bootstrap_port=boot.port, bootstrap_room=boot.room
@@ -197,9 +221,10 @@ class RequestStream:
                 new = list(chunk.get("output_ids") or ())
                 self._completion += len(new)
                 ids = [] if self._config.role == "prefill" else new  # decode streams the tokens
+                logprobs = _logprobs(meta, len(ids)) if self._request.logprobs is not None else None
                 if raw is None:
                     if ids:
-                        yield EngineOutput(token_ids=ids)
+                        yield EngineOutput(token_ids=ids, logprobs=logprobs)
                     chunk = await self._step(None)
                     continue
                 self._finished = True
@@ -210,12 +235,14 @@ class RequestStream:
                 )
                 if str(raw).startswith("abort") and not self.client_aborted:
                     if ids:  # never lose tokens the client has not seen
-                        yield EngineOutput(token_ids=ids)
+                        yield EngineOutput(token_ids=ids, logprobs=logprobs)
                     raise self._worker_abort(reason)
                 finish, error = normalize_finish_reason(str(raw))
                 if finish == "error" and isinstance(reason, Mapping) and reason.get("message"):
                     error = str(reason["message"])
-                yield EngineOutput(token_ids=ids, finish_reason=finish, error=error, usage=usage)
+                yield EngineOutput(
+                    token_ids=ids, finish_reason=finish, error=error, usage=usage, logprobs=logprobs
+                )
                 return
         finally:
             await self._close(first)
