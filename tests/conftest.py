@@ -16,6 +16,7 @@ import pytest
 import structlog
 
 from scenarios._leaks import live_tasks, socket_fds, task_name
+from tests.helpers.processes import command_line, leaked_children
 from tests.helpers.timetrap import _timetrap
 
 # Keep the suite's output readable: supervisors log every child start at debug.
@@ -82,32 +83,12 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     deadline = time.monotonic() + 5.0
     while True:
-        children = [c for c in me.children(recursive=True) if _counts_as_leak(c)]
+        children = leaked_children(me)
         new_sockets = socket_fds() - sockets_before
         new_files = _temp_files() - files_before
         if (not children and not new_sockets and not new_files) or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    assert not children, f"leaked child processes: {[(c.pid, _cmd(c)) for c in children]}"
+    assert not children, f"leaked child processes: {[(c.pid, command_line(c)) for c in children]}"
     assert not new_sockets, f"leaked sockets: {sorted(new_sockets)}"
     assert not new_files, f"leaked temporary files: {sorted(new_files)}"
-
-
-def _counts_as_leak(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE and not _is_shared_server(proc)
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _is_shared_server(proc: psutil.Process) -> bool:
-    # The process actors' forkserver lives for the whole session by design (it makes restarts
-    # cheap); what it forks must still be gone.
-    return "actors.process._forkserver" in _cmd(proc)
-
-
-def _cmd(proc: psutil.Process) -> str:
-    try:
-        return " ".join(proc.cmdline())
-    except psutil.Error:
-        return "?"

@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.helpers.processes import leaked_children
 from tests.helpers.timetrap import timetrap
 
 MODEL = Path(os.environ.get("ACTORSERVE_GPU_MODEL", "."))
@@ -57,14 +58,6 @@ def gpu_processes() -> list[int]:
     return [int(line) for line in out.split() if line.strip().isdigit()]
 
 
-def _counts_as_leak(proc: psutil.Process) -> bool:
-    try:
-        forkserver = "actors.process._forkserver" in " ".join(proc.cmdline())
-        return not forkserver and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False  # gone, or a zombie
-
-
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     # SGLang's engine is asyncio-only; its clear refusal on trio is tested in CI.
@@ -89,7 +82,7 @@ def _module_leaves_nothing() -> Iterator[None]:
     me = psutil.Process()
     deadline = time.monotonic() + 30.0
     while True:
-        children = [c.pid for c in me.children(recursive=True) if _counts_as_leak(c)]
+        children = [c.pid for c in leaked_children(me)]
         holders = gpu_processes()
         if (not children and not holders) or time.monotonic() > deadline:
             break
