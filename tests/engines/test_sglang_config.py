@@ -17,12 +17,10 @@ from actors.serving.engines._sglang._config import (
     sampling_params,
 )
 from protocols.engine import (
+    Grammar,
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
-)
-from protocols.errors import (
-    InvalidRequest,
 )
 from tests.engines._sglang_fakes import (
     FakeSGLang,
@@ -159,7 +157,10 @@ def test_sampling_params_mapping(record: Record) -> None:
             max_tokens=5, min_tokens=2, stop_token_ids=[9], ignore_eos=True, stop=["x"]
         ),
         sampling_options=SamplingOptions(
-            top_p=0.9, min_p=0.1, repetition_penalty=1.1, guided_decoding={"choice": ["a", "b.c"]}
+            top_p=0.9,
+            min_p=0.1,
+            repetition_penalty=1.1,
+            guided_decoding=Grammar(kind="regex", spec=r"(a|b\.c)"),
         ),
     )
     sp = sampling_params(req)
@@ -178,13 +179,7 @@ def test_sampling_params_mapping(record: Record) -> None:
         PreprocessedRequest(
             rid="g",
             token_ids=[1],
-            sampling_options=SamplingOptions(
-                guided_decoding={"json": {"type": "object"}, "grammar": "g"}
-            ),
+            sampling_options=SamplingOptions(guided_decoding=Grammar(kind="ebnf", spec="g")),
         )
     )
-    assert guided == {"json_schema": '{"type": "object"}', "ebnf": "g"}
-    with pytest.raises(InvalidRequest):
-        sampling_params(
-            PreprocessedRequest(rid="n", token_ids=[1], sampling_options=SamplingOptions(n=2))
-        )
+    assert guided == {"ebnf": "g"}

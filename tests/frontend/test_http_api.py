@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from actors.serving.frontend import ByteTokenizer, HFTokenizer, create_app
 from actors.serving.frontend._streams import aclose_quietly
 from actors.serving.testing import ANSWER, CONTEXT, MODEL, FakeBackend
-from protocols.engine import EngineOutput, PreprocessedRequest
+from protocols.engine import EngineOutput, Grammar, PreprocessedRequest
 from protocols.errors import NoWorkerAvailable
 from tests.frontend._hf import build_tokenizer_folder
 from tests.frontend._http import CHAT, COMPLETIONS, chat_body, chunks
@@ -252,10 +252,10 @@ async def test_request_fields_reach_the_engine(base_url: str, backend: FakeBacke
     assert (stop.max_tokens, stop.min_tokens, stop.stop) == (50, 3, ["x"])
     assert (stop.stop_token_ids, stop.ignore_eos) == ([7], True)
     assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.5, 0.9, 20)
-    assert (sampling.min_p, sampling.seed, sampling.n) == (0.1, 1234, 1)
+    assert (sampling.min_p, sampling.seed) == (0.1, 1234)
     assert sampling.presence_penalty == 0.5 and sampling.frequency_penalty == -0.5
     assert sampling.repetition_penalty == 1.1
-    assert sampling.guided_decoding == {"json": {}}
+    assert sampling.guided_decoding == Grammar(kind="json_schema", spec="{}")
     assert req.model == MODEL
 
 

@@ -7,11 +7,12 @@ Tokenisation (chat template or prompt), context-length checks, and the field map
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 
 import anyio
 
-from protocols.engine import PreprocessedRequest, SamplingOptions, StopConditions
+from protocols.engine import Grammar, PreprocessedRequest, SamplingOptions, StopConditions
 from protocols.errors import ContextLengthExceeded
 
 from ._backend import ModelInfo
@@ -82,13 +83,13 @@ def context_exceeded(
     return exc
 
 
-def guided_decoding(fmt: ResponseFormat | None) -> dict[str, object] | None:
-    """``response_format`` as the engine's guided-decoding spec (``{"json": schema}``)."""
+def guided_decoding(fmt: ResponseFormat | None) -> Grammar | None:
+    """``response_format`` as the engine's grammar."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        return {"json": {"type": "object"}}
-    return {"json": fmt.json_schema.schema_}
+        return Grammar(kind="json_object")
+    return Grammar(kind="json_schema", spec=json.dumps(fmt.json_schema.schema_))
 
 
 def build_request(
@@ -98,7 +99,7 @@ def build_request(
     body: ChatCompletionRequest | CompletionRequest,
     max_tokens: int | None,
     param: str,
-    guided: dict[str, object] | None,
+    guided: Grammar | None,
     logprobs: int | None = None,
 ) -> PreprocessedRequest:
     """The engine request; raises 400s for empty prompts and context overflows.

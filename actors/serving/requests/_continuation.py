@@ -12,8 +12,6 @@ __all__ = ["continuation", "refuse_migration"]
 
 def refuse_migration(request: PreprocessedRequest) -> str | None:
     """Why ``request`` cannot be migrated (its state would not carry over), or ``None``."""
-    if request.sampling_options.n > 1:
-        return "n > 1: per-choice state cannot be carried over"
     if request.sampling_options.guided_decoding:
         return "guided decoding: the grammar state would restart"
     return None
@@ -46,4 +44,7 @@ def continuation(
         stop_conditions=conditions,
         bootstrap_info=live,
         live_migration=live is not None,
+        generated=original.generated + done,
+        # The prompt's logprobs went out with the first attempt's first output.
+        prompt_logprobs=None,
     )

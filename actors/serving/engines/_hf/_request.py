@@ -38,8 +38,8 @@ def build_seq(request: PreprocessedRequest, limits: Limits) -> Seq:
     if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
         raise InvalidRequest("a prompt token id is outside the vocabulary")
     opts = request.sampling_options
-    if opts.n != 1 or opts.guided_decoding is not None:
-        raise InvalidRequest("the hf engine serves one choice (n=1) without guided decoding")
+    if opts.guided_decoding is not None:
+        raise InvalidRequest("the hf engine serves no guided decoding")
     stop = request.stop_conditions
     context = limits.context_length
     room = context - len(prompt)

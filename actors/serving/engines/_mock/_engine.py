@@ -260,8 +260,6 @@ class MockEngine(TransferMixin, IntrospectionMixin):
             raise InvalidRequest("token_ids is empty")
         if request.rid in self._requests:
             raise InvalidRequest(f"request {request.rid!r} is already in flight")
-        if request.sampling_options.n != 1:
-            raise InvalidRequest("n > 1 is not supported")
         cap = min(cfg.context_length, cfg.num_blocks * cfg.block_size)
         if n >= cap:
             raise ContextLengthExceeded(f"{n} prompt tokens; the limit is {cap - 1}")

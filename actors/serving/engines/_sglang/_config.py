@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from actors.lowlevel import LOOPBACK, free_port
-from protocols.engine import BootstrapInfo, Capacity, PreprocessedRequest
-from protocols.errors import InvalidRequest
+from protocols.engine import BootstrapInfo, Capacity, Grammar, PreprocessedRequest
 
 __all__ = [
     "Role",
@@ -250,22 +249,12 @@ def check_role_args(args: Mapping[str, Any], role: Role) -> None:
             raise ValueError(f"{key}=False is not supported: the backend streams token ids")
 
 
-def _guided(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Dynamo's guided-decoding mapping onto SGLang's sampling params."""
-    out: dict[str, Any] = {}
-    if spec.get("json") is not None:
-        schema = spec["json"]
-        out["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
-    if spec.get("regex") is not None:
-        out["regex"] = str(spec["regex"])
-    if spec.get("grammar") is not None:
-        out["ebnf"] = str(spec["grammar"])
-    if spec.get("choice") is not None:
-        out["regex"] = "(" + "|".join(re.escape(str(c)) for c in spec["choice"]) + ")"
-    if spec.get("structural_tag") is not None:
-        tag = spec["structural_tag"]
-        out["structural_tag"] = tag if isinstance(tag, str) else json.dumps(tag)
-    return out
+def _guided(grammar: Grammar) -> dict[str, Any]:
+    """Our grammar as SGLang's sampling params (its grammar backend applies it)."""
+    if grammar.kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    key = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}.get(grammar.kind)
+    return {key or "structural_tag": grammar.spec}
 
 
 def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
@@ -275,8 +264,6 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
     the frontend matches them, as in Dynamo's token mode.
     """
     sc, so = request.stop_conditions, request.sampling_options
-    if so.n != 1:
-        raise InvalidRequest("n > 1 is not supported by the SGLang backend")
     sp: dict[str, Any] = {}
     if sc.max_tokens is not None:
         sp["max_new_tokens"] = sc.max_tokens
