@@ -10,12 +10,18 @@ import platform
 import shutil
 import statistics
 import subprocess
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import structlog
 from rich.console import Console
 from rich.table import Table
+
+from actors.serving import ServeConfig, Serving
+from actors.serving.root import Budgets, RootOptions, serving_children
+from supervisors import SupervisorFlags, open_supervisor
 
 # Warnings stay on: a crash or a restart loop inside a benchmark must not pass silently.
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -33,6 +39,21 @@ def machine() -> str:
             name = gpus[0].split(":", 1)[-1].split("(UUID")[0].strip()
             text += f", {len(gpus)}x {name}"
     return text
+
+
+@asynccontextmanager
+async def served_tree(
+    config: ServeConfig, *, drain_s: float = 10.0, ready_s: float = 300.0
+) -> AsyncIterator[Serving]:
+    """The serving tree of ``actorserve run`` for ``config`` with its root in this process
+    (engines in their own), once every worker is routable."""
+    serving = Serving(config)
+    options = RootOptions(budgets=Budgets(grace=0.0, release_grace=0.0, drain=drain_s))
+    children = serving_children(serving, options, lambda: None)
+    async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)):
+        with anyio.fail_after(ready_s):
+            await serving.table.wait_routable(len(serving.roles))
+        yield serving
 
 
 def percentile(samples: Sequence[float], q: float) -> float:

@@ -52,15 +52,14 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.serving import ServeConfig, Serving
+from actors.serving import ServeConfig
 from actors.serving.engines import HFEngine, HFEngineConfig, find_smollm2, load_model
-from actors.serving.root import Budgets, RootOptions, serving_children
+from benchmarks._common import served_tree
 from protocols.engine import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
 )
-from supervisors import SupervisorFlags, open_supervisor
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -285,12 +284,7 @@ async def measure_served(
         else {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 2}
     )
     config = ServeConfig(backend="hf", port=0, engine_args=engine_args, **topology)
-    serving = Serving(config)
-    options = RootOptions(budgets=Budgets(grace=0.0, release_grace=0.0, drain=10.0))
-    children = serving_children(serving, options, lambda: None)
-    async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)):
-        with anyio.fail_after(300):
-            await serving.table.wait_routable(len(serving.roles))
+    async with served_tree(config) as serving:
         url = f"http://127.0.0.1:{serving.port}"
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             model = config.model

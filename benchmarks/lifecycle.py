@@ -52,20 +52,16 @@ from actors import ActorRef, current_registry
 from actors.serving import ServeConfig, Serving
 from actors.serving.engines import resolve_device
 from actors.serving.root import (
-    Budgets,
     DrainWorker,
     Release,
     Resume,
-    RootOptions,
     UndrainWorker,
-    serving_children,
 )
 from actors.serving.worker import engine_name
 from actors.telemetry import REGISTRY
-from benchmarks._common import percentile, report
+from benchmarks._common import percentile, report, served_tree
 from protocols import control
 from protocols.engine import MemoryTag
-from supervisors import SupervisorFlags, open_supervisor
 
 ENGINE: dict[str, Any] = {
     "num_blocks": 4096,
@@ -207,11 +203,7 @@ async def measure(quick: bool) -> dict[str, Any]:
         port=0,
         engine_args=ENGINE,
     )
-    serving = Serving(config)
-    budgets = Budgets(grace=0.0, release_grace=0.0, drain=60.0)
-    children = serving_children(serving, RootOptions(budgets=budgets), lambda: None)
-    async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)):
-        await serving.table.wait_routable(3)
+    async with served_tree(config, drain_s=60.0) as serving:
         gc.freeze()  # as run_root does once the tree is up
         bench = Bench(serving, 8 if quick else 16)
         first = await bench.drain("first", live=True)  # these two workers' first hand-over

@@ -43,6 +43,8 @@ RUNTIME_DEFAULTS: dict[str, str] = {
     "loop": "`uvloop` where installed, else `asyncio`",
     "control": "`control.sock` in the root's run directory",
     "control_api_port": "off",
+    "tool_call_parser": "none: requests with `tools` get a 400 (unless `tool_choice` is `none`)",
+    "reasoning_parser": "none: reasoning stays in `content`",
     "control_token_file": "`$ACTORSERVE_CONTROL_TOKEN`, else a generated token file",
 }
 

@@ -222,6 +222,9 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     kv_events_endpoints: tuple[str, ...] = ()  # one per data-parallel rank
     kv_events_replay_endpoints: tuple[str, ...] = ()  # ROUTER replay, one per rank (or none)
     metrics_endpoint: str | None = None
+    # A decode engine that computes a prompt's KV itself when no prefill worker can (the
+    # decode-only fallback); SGLang's decode mode cannot: its requests wait for a prefill worker.
+    prefills_alone: bool = True
 
 
 class HealthPayload(msgspec.Struct, frozen=True, kw_only=True):

@@ -109,6 +109,20 @@ def run(
         bool | None,
         typer.Option(help="SGLang: publish KV events (default: with the kv_aware router)."),
     ] = None,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="Read tool calls in chat answers in this format: hermes (qwen25, qwen), "
+            "llama3 (llama3_json) or mistral; requests with tools need one."
+        ),
+    ] = None,
+    reasoning_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="Split the reasoning (think tags) into reasoning_content: deepseek-r1, qwen3, "
+            "qwen3-thinking (step3, minimax)."
+        ),
+    ] = None,
     loop: Annotated[
         str | None,
         typer.Option(
@@ -159,6 +173,8 @@ def run(
         "tokenizer": tokenizer,
         "memory_release": memory_release,
         "kv_events": kv_events,
+        "tool_call_parser": tool_call_parser,
+        "reasoning_parser": reasoning_parser,
     }
     try:
         loop = resolve_loop(loop)

@@ -7,7 +7,7 @@ answer is :data:`ANSWER`, streamed in chunks, with knobs for errors, delays, han
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter
@@ -28,9 +28,11 @@ class FakeBackend:
     Knobs a test sets before its requests: ``error_before`` (raised by ``generate``),
     ``error_after`` (raised after that many outputs), ``delay`` (seconds before each output),
     ``hang_after`` (after that many outputs, wait forever), ``finish_error`` (the terminal output
-    says ``error``), ``truncate`` (end without a finish reason), ``ready``. A request that asks
-    for logprobs gets made-up ones: each token the most likely, its alternatives the next ids.
-    It records every request, and which ones were cancelled (closed before they finished).
+    says ``error``), ``truncate`` (end without a finish reason), ``ready``, ``answer_of`` (the
+    answer of each request, instead of ``answer``). A request that asks for logprobs gets
+    made-up ones: each token the most likely, its alternatives the next ids; its prompt's too
+    (``prompt_logprobs``), on the first output. It records every request, and which ones were
+    cancelled (closed before they finished).
     """
 
     def __init__(self, tokenizer: Tokenizer | None = None, *, answer: str = ANSWER) -> None:
@@ -43,6 +45,7 @@ class FakeBackend:
         self.hang_after: int | None = None
         self.finish_error: str | None = None
         self.truncate = False
+        self.answer_of: Callable[[PreprocessedRequest], str] | None = None
         self.ready = True
         self.requests: list[PreprocessedRequest] = []
         self.cancelled: list[str] = []
@@ -71,17 +74,20 @@ class FakeBackend:
         self.request_seen.set()
         return self._outputs(request)
 
-    async def _outputs(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
-        ids = self.tokenizer.encode(self.answer, add_special_tokens=False)
+    async def _outputs(self, request: PreprocessedRequest) -> AsyncGenerator[EngineOutput, None]:
+        answer = self.answer if self.answer_of is None else self.answer_of(request)
+        ids = self.tokenizer.encode(answer, add_special_tokens=False)
         limit = request.stop_conditions.max_tokens
         reason: FinishReason = "stop"
         if limit is not None and limit < len(ids):
             ids, reason = ids[:limit], "length"
         pieces = [ids[i : i + self.chunk] for i in range(0, len(ids), self.chunk)]
+        prompt_logprobs = _logprobs(request.token_ids[1:], request.prompt_logprobs)
         finished = False
         try:
             for n, piece in enumerate(pieces):
                 logprobs = _logprobs(piece, request.logprobs)
+                prompt = prompt_logprobs if n == 0 else None
                 if self.error_after is not None and n == self.error_after[0]:
                     raise self.error_after[1]
                 if self.hang_after is not None and n == self.hang_after:
@@ -90,7 +96,7 @@ class FakeBackend:
                     await anyio.sleep(self.delay)
                 last = n == len(pieces) - 1
                 if last and self.truncate:
-                    yield EngineOutput(token_ids=piece, logprobs=logprobs)
+                    yield EngineOutput(token_ids=piece, logprobs=logprobs, prompt_logprobs=prompt)
                     finished = True
                     return
                 if last:
@@ -106,13 +112,18 @@ class FakeBackend:
                             finish_reason="error",
                             error=self.finish_error,
                             logprobs=logprobs,
+                            prompt_logprobs=prompt,
                         )
                         return
                     yield EngineOutput(
-                        token_ids=piece, finish_reason=reason, usage=usage, logprobs=logprobs
+                        token_ids=piece,
+                        finish_reason=reason,
+                        usage=usage,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt,
                     )
                     return
-                yield EngineOutput(token_ids=piece, logprobs=logprobs)
+                yield EngineOutput(token_ids=piece, logprobs=logprobs, prompt_logprobs=prompt)
         finally:
             # Reached without "finished": the consumer closed or cancelled us mid-stream.
             if finished:
@@ -122,7 +133,7 @@ class FakeBackend:
                 self.cancel_seen.set()
 
 
-def _logprobs(tokens: list[int], top: int | None) -> list[TokenLogprob] | None:
+def _logprobs(tokens: Sequence[int], top: int | None) -> list[TokenLogprob] | None:
     """Made-up logprobs for ``tokens`` (``top`` alternatives each), or ``None`` for no request."""
     if top is None:
         return None

@@ -468,11 +468,23 @@ def _logprobs(args: dict[str, Any], n: int) -> dict[str, Any]:
     ``skip_tokenizer_init``), each list from the first token on, as SGLang accumulates them."""
     if not args["return_logprob"]:
         return {}
-    assert args["logprob_start_len"] == -1  # no prompt logprobs: they cost a prefill pass
     k = args["top_logprobs_num"] or 0
     chosen = [(-0.5 * (i + 1), 100 + i, None) for i in range(n)]
     top = [[(lp - j, token + j, None) for j in range(k)] for lp, token, _ in chosen]
-    return {"output_token_logprobs": chosen, "output_top_logprobs": top}
+    out: dict[str, Any] = {"output_token_logprobs": chosen, "output_top_logprobs": top}
+    # Prompt logprobs only when asked for (from position 0): they cost a prefill pass. The
+    # first prompt token has none (nothing before it): SGLang sends None for it.
+    assert args["logprob_start_len"] in (-1, 0)
+    if args["logprob_start_len"] == 0:
+        prompt = list(args["input_ids"])
+        given = [(None, prompt[0], None)] + [
+            (-0.25 * i, t, None) for i, t in enumerate(prompt[1:], 1)
+        ]
+        out["input_token_logprobs"] = given
+        out["input_top_logprobs"] = [None] + [
+            [(lp - j, t + j, None) for j in range(k)] for lp, t, _ in given[1:]
+        ]
+    return out
 
 
 _WILDCARDS = ("*", "::", "0.0.0.0")

@@ -183,3 +183,34 @@ def test_sampling_params_mapping(record: Record) -> None:
         )
     )
     assert guided == {"ebnf": "g"}
+
+
+@pytest.mark.parametrize(
+    ("grammar", "expected"),
+    [
+        (
+            Grammar(kind="json_schema", spec='{"type": "string"}'),
+            {"json_schema": '{"type": "string"}'},
+        ),
+        # What SGLang's own OpenAI server sends for response_format json_object.
+        (Grammar(kind="json_object"), {"json_schema": '{"type": "object"}'}),
+        (Grammar(kind="regex", spec="a+"), {"regex": "a+"}),
+        (Grammar(kind="ebnf", spec='root ::= "a"'), {"ebnf": 'root ::= "a"'}),
+        (
+            Grammar(kind="structural_tag", spec='{"structures": []}'),
+            {"structural_tag": '{"structures": []}'},
+        ),
+    ],
+)
+def test_every_grammar_kind_and_logit_bias_are_sglang_sampling_params(
+    record: Record, grammar: Grammar, expected: dict[str, str]
+) -> None:
+    req = PreprocessedRequest(
+        rid="g",
+        token_ids=[1],
+        sampling_options=SamplingOptions(guided_decoding=grammar, logit_bias={5: -100, 7: 2.5}),
+    )
+    sp = sampling_params(req)
+    # SGLang's logit_bias is keyed by the token id as a string (its JSON form).
+    assert sp == {**expected, "logit_bias": {"5": -100.0, "7": 2.5}}
+    record.sampling_params.bind(**sp)  # every key is one of this SGLang's sampling params

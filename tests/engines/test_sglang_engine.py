@@ -148,6 +148,23 @@ async def test_logprobs_map_from_meta_info(anyio_backend: str, fake: FakeSGLang)
         assert "return_logprob" not in plain
 
 
+async def test_prompt_logprobs_map_from_meta_info(anyio_backend: str, fake: FakeSGLang) -> None:
+    async with running(anyio_backend, fake, warmup=False) as engine:
+        if engine is None:
+            return
+        outs = await collect(engine.generate(request(n=3, logprobs=1, prompt_logprobs=2)))
+        # The prompt [1, 2, 3]: one entry per token after the first, on the first output only.
+        assert outs[0].prompt_logprobs == [
+            TokenLogprob(-0.25, [2, 3], [-0.25, -1.25]),
+            TokenLogprob(-0.5, [3, 4], [-0.5, -1.5]),
+        ]
+        assert all(o.prompt_logprobs is None for o in outs[1:])
+        # SGLang's one top-k serves both: the output's alternatives are cut to what it asked.
+        assert all(len(lp.top_ids) == 1 for o in outs for lp in o.logprobs or ())
+        (wanted,) = fake.args_of("Engine.async_generate")
+        assert (wanted["logprob_start_len"], wanted["top_logprobs_num"]) == (0, 2)
+
+
 @pytest.mark.parametrize("role", ["aggregated", "decode"])
 async def test_every_role_warms_up_before_it_is_ready(
     anyio_backend: str, fake: FakeSGLang, role: str

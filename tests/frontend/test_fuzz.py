@@ -33,8 +33,8 @@ from tests.frontend.conftest import served
 
 # No 5xx, and every response matches the documented status codes, content types and shapes (the
 # msgspec encoders against the pydantic documentation models). Not "positive data accepted":
-# semantic limits the schema cannot state (context length, min_tokens <= max_tokens, n > 1 not
-# supported) rightly answer 400 to schema-valid input.
+# semantic limits the schema cannot state (context length, min_tokens <= max_tokens, best_of >= n)
+# rightly answer 400 to schema-valid input.
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -80,7 +80,14 @@ SEMANTIC_REFUSALS = {
     ("prompt", "context_length_exceeded"),
     ("min_tokens", "request.invalid"),  # above max_tokens
     ("top_logprobs", "invalid_value"),  # above 0 without logprobs
-    ("logprobs", "unsupported_value"),  # completions' with echo: no prompt logprobs yet
+    ("stream_options", "invalid_value"),  # without stream
+    ("regex", "invalid_value"),  # with a JSON response_format
+    ("ebnf", "invalid_value"),  # with a JSON response_format or a regex
+    ("prompt", "invalid_value"),  # n times the prompts above the most choices
+    ("best_of", "invalid_value"),  # below n, with stream, or times the prompts above the most
+    ("tools", "request.invalid"),  # on a server without a --tool-call-parser (the fake's)
+    ("tool_choice", "invalid_value"),  # a function not in tools, or required without tools
+    ("tool_choice", "request.invalid"),  # a forced call with response_format, regex or ebnf
 }
 JSON = {"content-type": "application/json"}
 BODIES = {

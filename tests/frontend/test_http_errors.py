@@ -63,7 +63,27 @@ BAD_BODIES: list[tuple[str, dict[str, Any] | bytes, str | None]] = [
     ("stream a string", chat_body(stream="yes"), "stream"),
     ("stop a number", chat_body(stop=5), None),
     ("seed too large", chat_body(seed=2**80), "seed"),
-    ("n above one", chat_body(n=2), "n"),
+    ("n above 128", chat_body(n=129), "n"),
+    (
+        "usage on every chunk",
+        chat_body(stream=True, stream_options={"continuous_usage_stats": True}),
+        "stream_options.continuous_usage_stats",
+    ),
+    ("n zero", chat_body(n=0), "n"),
+    (
+        "stream_options without stream",
+        chat_body(stream_options={"include_usage": True}),
+        "stream_options",
+    ),
+    ("logit_bias key not a token id", chat_body(logit_bias={"hi": 1}), "logit_bias"),
+    ("logit_bias above 100", chat_body(logit_bias={"5": 101}), "logit_bias"),
+    (
+        "two grammars",
+        chat_body(response_format={"type": "json_object"}, regex="a+"),
+        "regex",
+    ),
+    ("regex and ebnf", chat_body(regex="a+", ebnf='root ::= "a"'), "ebnf"),
+    ("deprecated functions", chat_body(functions=[{"name": "f"}]), "functions"),
     ("top_logprobs above 20", chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("min_tokens above max_tokens", chat_body(max_tokens=2, min_tokens=5), "min_tokens"),
     (
@@ -130,12 +150,20 @@ async def test_prompt_longer_than_context_is_400(base_url: str, path: str) -> No
         assert _error(too_many, 400)["code"] == "context_length_exceeded"
 
 
-async def test_empty_and_batched_prompts_are_400(base_url: str) -> None:
+async def test_empty_and_too_large_batches_are_400(base_url: str) -> None:
     async with httpx.AsyncClient(base_url=base_url) as client:
         empty = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": []})
-        batch = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": ["a", "b"]})
+        batch = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": ["a"] * 65})
+        choices = await client.post(
+            COMPLETIONS, json={"model": MODEL, "prompt": ["a"] * 10, "n": 13}
+        )
+        best_of = await client.post(
+            COMPLETIONS, json={"model": MODEL, "prompt": ["a"] * 10, "best_of": 13}
+        )
     assert _error(empty, 400)["param"] == "prompt"
-    assert "batched" in _error(batch, 400)["message"]
+    assert _error(batch, 400)["param"] == "prompt"
+    assert "at most 128 choices" in _error(choices, 400)["message"]
+    assert _error(best_of, 400)["param"] == "best_of"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -88,8 +88,6 @@ async def test_logprobs_limits(base_url: str) -> None:
     refused = [
         (CHAT, chat_body(top_logprobs=2), "top_logprobs"),  # without logprobs: true
         (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logprobs": 6}, "logprobs"),
-        # Prompt logprobs are not computed (yet).
-        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}, "logprobs"),
     ]
     async with httpx.AsyncClient(base_url=base_url) as client:
         for path, body, param in refused:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from actors.serving.frontend import ByteTokenizer, ModelInfo
-from actors.serving.frontend._mapping import chat_prompt, completion_prompt
+from actors.serving.frontend._mapping import chat_prompt, completion_prompts
 from actors.serving.frontend._openai_types import ChatCompletionRequest, CompletionRequest
 from protocols.errors import ContextLengthExceeded
 
@@ -24,9 +24,13 @@ class _Counting(ByteTokenizer):
         self.calls += 1
         return super().encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         self.calls += 1
-        return super().apply_chat_template(messages)
+        return super().apply_chat_template(messages, tools)
 
 
 def _info(tokenizer: _Counting) -> ModelInfo:
@@ -37,7 +41,7 @@ async def test_a_prompt_longer_than_the_context_is_refused_untokenised() -> None
     tokenizer = _Counting()
     body = CompletionRequest.model_validate({"model": "m", "prompt": "x" * 5_000_000})
     with pytest.raises(ContextLengthExceeded, match="at least 5000000 tokens in the prompt"):
-        await completion_prompt(_info(tokenizer), body)
+        await completion_prompts(_info(tokenizer), body)
     chat = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "y" * 1000}]}
     )
@@ -49,5 +53,5 @@ async def test_a_prompt_longer_than_the_context_is_refused_untokenised() -> None
 async def test_a_prompt_that_may_fit_is_tokenised() -> None:
     tokenizer = _Counting()
     body = CompletionRequest.model_validate({"model": "m", "prompt": "x" * 998})
-    text, ids = await completion_prompt(_info(tokenizer), body)
+    [(text, ids)] = await completion_prompts(_info(tokenizer), body)
     assert (len(text), len(ids), tokenizer.calls) == (998, 999, 1)  # BOS + one id per byte

@@ -20,7 +20,7 @@ from actors.serving.frontend._chunks import (
 )
 from actors.serving.frontend._metrics import LoopHistogram
 from actors.serving.frontend._pipeline import Choice, StopMatcher
-from protocols.engine import EngineOutput, Usage
+from protocols.engine import EngineOutput, TokenLogprob, Usage
 from protocols.errors import EngineFailure, RequestCancelled
 
 
@@ -156,35 +156,35 @@ def test_engine_error_and_server_abort_raise_typed_errors() -> None:
         _choice().on_output(EngineOutput(finish_reason="cancelled"))
 
 
-@given(st.text(), st.sampled_from([None, "stop", "length"]), st.booleans())
+@given(st.text(), st.sampled_from([None, "stop", "length"]), st.booleans(), st.integers(0, 127))
 def test_delta_frames_are_the_chunk_encoded_whole(
-    text: str, finish: str | None, include_usage: bool
+    text: str, finish: str | None, include_usage: bool, index: int
 ) -> None:
     """A delta's frame (from the renderer's template when it can) has the bytes of its whole
-    chunk encoded at once."""
+    chunk encoded at once, whatever its choice's index."""
     for renderer in (
-        CompletionRenderer("cmpl-1", 'mo"del\x00', 7, include_usage=include_usage),
-        ChatRenderer("chatcmpl-1", "m\x00", 7, include_usage=include_usage),
+        CompletionRenderer("cmpl-1", 'mo"del\x00', 7, include_usage=include_usage, index=index),
+        ChatRenderer("chatcmpl-1", "m\x00", 7, include_usage=include_usage, index=index),
     ):
         frame = renderer.delta(text, finish)
         assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
         chunk = json.loads(frame[6:])
         choice = chunk["choices"][0]
-        assert choice["finish_reason"] == finish
+        assert (choice["index"], choice["finish_reason"]) == (index, finish)
         got = choice["text"] if "text" in choice else choice["delta"].get("content", "")
         assert got == text
         assert ("usage" in chunk) == include_usage
         whole = (
             renderer._frame_of(text, finish)
             if isinstance(renderer, CompletionRenderer)
-            else renderer._chunk(_chat_choice(text, finish))
+            else renderer._chunk(_chat_choice(index, text, finish))
         )
         assert frame == whole
 
 
-def _chat_choice(text: str, finish: str | None) -> Any:
+def _chat_choice(index: int, text: str, finish: str | None) -> Any:
     delta = _ChatDelta(content=text) if text else _ChatDelta()
-    return _ChatChunkChoice(0, delta, None, finish)
+    return _ChatChunkChoice(index, delta, None, finish)
 
 
 @given(st.lists(st.floats(min_value=0, max_value=10, allow_nan=False), max_size=50))
@@ -206,3 +206,20 @@ def test_loop_histogram_exposes_what_prometheus_clients_histogram_does(
         return [line for line in text.splitlines() if "_created" not in line]
 
     assert lines(ours) == lines(theirs)
+
+
+def test_echo_needs_the_prompts_logprobs_from_the_engine() -> None:
+    tokenizer = ByteTokenizer()
+    prompt = tokenizer.encode("hi")
+    choice = Choice(tokenizer.detokenizer(prompt), prompt_tokens=3, logprobs=tokenizer, echo=prompt)
+    with pytest.raises(EngineFailure, match="no logprobs of the prompt"):
+        choice.on_output(EngineOutput(token_ids=[72], logprobs=[TokenLogprob(-1.0)]))
+
+
+def test_a_ranked_choice_sums_its_logprobs_and_shows_none() -> None:
+    tokenizer = ByteTokenizer()
+    choice = Choice(tokenizer.detokenizer([]), prompt_tokens=1, ranked=True)
+    choice.on_output(EngineOutput(token_ids=[72, 105], logprobs=[TokenLogprob(-1.0)] * 2))
+    choice.on_output(EngineOutput(token_ids=[33], logprobs=[TokenLogprob(-0.5)]))
+    assert choice.logprob_sum == -2.5
+    assert choice.take_logprobs() is None

@@ -14,16 +14,22 @@ child process, no GPU memory held by a process of ours) instead of per test.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+import openai
 import psutil
 import pytest
 
+from actors.testing import wait_until
+from protocols.engine import EngineRole
 from tests.helpers.processes import leaked_children
+from tests.helpers.serving import Tree
 from tests.helpers.timetrap import timetrap
 
 MODEL = Path(os.environ.get("ACTORSERVE_GPU_MODEL", "."))
@@ -45,6 +51,40 @@ def sglang_args(mem_fraction: float, **more: Any) -> dict[str, Any]:
         "log_level": "warning",
         **more,
     }
+
+
+def openai_client(tree: Tree) -> openai.AsyncOpenAI:
+    """The `openai` client on ``tree``'s API."""
+    return openai.AsyncOpenAI(base_url=f"{tree.url}/v1", api_key="unused", max_retries=0)
+
+
+async def stream_all(
+    tree: Tree, prompts: Sequence[str], kill: EngineRole | None = None
+) -> list[str]:
+    """The prompts' greedy completions, streamed at once; ``kill``: SIGKILL the engine of that
+    role's busiest worker mid-stream: a prefill worker once the first stream has output (the
+    others still being prefilled or waiting for their KV), any other once every stream has."""
+    texts = [""] * len(prompts)
+    async with openai_client(tree) as c:
+        model = (await c.models.list()).data[0].id
+
+        async def one(i: int) -> None:
+            async for chunk in await c.completions.create(
+                model=model, prompt=prompts[i], max_tokens=256, temperature=0, stream=True
+            ):
+                texts[i] += chunk.choices[0].text if chunk.choices else ""
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+            if kill is not None:
+                started = any if kill == "prefill" else all
+                await wait_until(lambda: started(texts), timeout=120)
+                workers = [w for w, role in tree.serving.roles.items() if role == kill]
+                stats = {w: await tree.engine_stats(w) for w in workers}
+                victim = max(workers, key=lambda w: stats[w].running)
+                os.kill(stats[victim].pid, signal.SIGKILL)
+    return texts
 
 
 def gpu_processes() -> list[int]:

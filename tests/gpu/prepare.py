@@ -1,23 +1,29 @@
 """Prepare what the GPU host needs beside the SGLang bundle, in one folder to carry
-(``python -m tests.gpu.prepare [DEST]``, default ``.gpucarry``; run here, with network).
+(``python -m tests.gpu.prepare [DEST [BUNDLE]]``, defaults ``.gpucarry`` and ``.sglbundle``; run
+here, with network).
 
 - ``model/``: SmolLM2-135M-Instruct's config (bfloat16) and tokenizer, no weights: SGLang's
   dummy weights stand in. The tokenizer travels xz-compressed (carry budget); run.sh unpacks it.
 - ``wheels/``: actorserve's dependencies that the GPU image lacks and the bundle does not have.
+
+It also trims the bundle's nixl tarball to what SGLang's KV transfer loads (the UCX plugin and
+the libraries it needs), so that the bundle, this folder and the checkout fit one call's carry.
 """
 
 from __future__ import annotations
 
 import json
 import lzma
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from actors.serving.engines import find_smollm2
 
-__all__ = ["WHEELS", "main"]
+__all__ = ["WHEELS", "main", "trim_nixl"]
 
 # On the image: attrs, psutil, rich, typer, numpy, prometheus-client, xxhash, httpx, pytest.
 # In the SGLang bundle: msgspec, pyzmq, uvicorn, fastapi, pydantic, openai, sniffio.
@@ -29,9 +35,27 @@ WHEELS = (
 )
 _PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 _MODEL_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+#: What SGLang's NIXL transfer never loads: every plugin but UCX (with the storage and cloud
+#: libraries only those plugins link), and UCX's perftest modules.
+_NIXL_UNUSED = re.compile(
+    r"(^|/)(nixl_cu13\.libs/nixl|\.nixl_cu13\.mesonpy\.libs/plugins)/(?!libplugin_UCX\.so$)"
+    r"|/ucx/libucx_perftest"
+    r"|nixl_cu13\.libs/lib(aws-cpp-sdk-s3|azure-|xml2-|aio-|pull-|gusli_clnt-|uring-)"
+)
 
 
-def main(dest: Path) -> None:
+def trim_nixl(tarball: Path) -> None:
+    """Drop what :data:`_NIXL_UNUSED` names from the nixl tarball, in place (idempotent)."""
+    trimmed = tarball.with_suffix(".trimmed")
+    with tarfile.open(tarball, "r:xz") as src, tarfile.open(trimmed, "w:xz", preset=9) as out:
+        for member in src:
+            if _NIXL_UNUSED.search(member.name):
+                continue
+            out.addfile(member, src.extractfile(member) if member.isfile() else None)
+    trimmed.replace(tarball)
+
+
+def main(dest: Path, bundle: Path) -> None:
     source = find_smollm2(None).folder
     model = dest / "model"
     model.mkdir(parents=True, exist_ok=True)
@@ -50,8 +74,12 @@ def main(dest: Path) -> None:
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
     target = ["--python-version", "3.12", "--implementation", "cp", *platforms]
     subprocess.run([*pip, *target, "-d", str(wheels), *WHEELS], check=True)
-    print(f"prepared {dest}: model/ (config and tokenizer, no weights), wheels/")
+    nixl = bundle / "nixl-site.tar.xz"
+    if nixl.exists():
+        trim_nixl(nixl)
+    print(f"prepared {dest}: model/ (config and tokenizer, no weights), wheels/; trimmed {nixl}")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else ".gpucarry"))
+    args = sys.argv[1:]
+    main(Path(args[0] if args else ".gpucarry"), Path(args[1] if len(args) > 1 else ".sglbundle"))

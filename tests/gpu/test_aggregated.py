@@ -4,17 +4,14 @@ by SGLang's real KV events, and a SIGKILL mid-stream migrated token for token.""
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import AsyncIterator
 
-import anyio
 import openai
 import pytest
 
 from actors.serving.worker._health import CANARIES
 from actors.testing import wait_until
-from tests.gpu.conftest import MODEL, sglang_args
+from tests.gpu.conftest import MODEL, openai_client, sglang_args, stream_all
 from tests.helpers.serving import Tree, serving_tree
 
 WORKERS = ["decode-0", "decode-1"]
@@ -40,12 +37,8 @@ async def tree() -> AsyncIterator[Tree]:
         yield tree
 
 
-def _client(tree: Tree) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{tree.url}/v1", api_key="unused", max_retries=0)
-
-
 async def test_completions_and_chat_streaming_and_not(tree: Tree) -> None:
-    async with _client(tree) as client:
+    async with openai_client(tree) as client:
         model = (await client.models.list()).data[0].id
         whole = await client.completions.create(
             model=model, prompt="The capital of France is", max_tokens=24, temperature=0
@@ -90,7 +83,7 @@ async def _engines_idle(tree: Tree) -> bool:
 
 
 async def test_aborts_before_the_first_token_and_mid_stream_reach_sglang(tree: Tree) -> None:
-    async with _client(tree) as client:
+    async with openai_client(tree) as client:
         model = (await client.models.list()).data[0].id
         # Mid-stream: the client goes away after a few chunks.
         stream = await client.completions.create(
@@ -131,7 +124,7 @@ async def test_health_canaries_pass_on_the_real_engine(tree: Tree) -> None:
 async def test_kv_aware_routing_follows_sglang_kv_events(tree: Tree) -> None:
     tokenizer = tree.serving.tokenizer
     prefix = "Once upon a time, in a land of rivers and stone, " * 12
-    async with _client(tree) as client:
+    async with openai_client(tree) as client:
         model = (await client.models.list()).data[0].id
         await client.completions.create(model=model, prompt=prefix, max_tokens=4, temperature=0)
         tokens = tokenizer.encode(prefix)
@@ -158,33 +151,9 @@ async def test_kv_aware_routing_follows_sglang_kv_events(tree: Tree) -> None:
 
 async def test_sigkill_of_an_engine_mid_stream_is_migrated_token_for_token(tree: Tree) -> None:
     prompts = [f"Story number {i}: it began when" for i in range(4)]
-
-    async def run_all(client: openai.AsyncOpenAI, model: str, kill: bool) -> list[str]:
-        texts = [""] * len(prompts)
-
-        async def one(i: int) -> None:
-            async for chunk in await client.completions.create(
-                model=model, prompt=prompts[i], max_tokens=256, temperature=0, stream=True
-            ):
-                texts[i] += chunk.choices[0].text if chunk.choices else ""
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-            if kill:
-                # Once every stream has output, SIGKILL the process of a worker that serves some.
-                await wait_until(lambda: all(texts), timeout=120)
-                stats = {w: await tree.engine_stats(w) for w in WORKERS}
-                victim = max(WORKERS, key=lambda w: stats[w].running)
-                os.kill(stats[victim].pid, signal.SIGKILL)
-        return texts
-
-    async with _client(tree) as client:
-        model = (await client.models.list()).data[0].id
-        baseline = await run_all(client, model, kill=False)
-        pids = {w: (await tree.engine_stats(w)).pid for w in WORKERS}
-        migrated = await run_all(client, model, kill=True)
-    assert migrated == baseline
+    baseline = await stream_all(tree, prompts)
+    pids = {w: (await tree.engine_stats(w)).pid for w in WORKERS}
+    assert await stream_all(tree, prompts, kill="aggregated") == baseline
     # The killed worker comes back (a fresh SGLang: start and warm-up) and serves again.
     await tree.wait_ready(2, timeout=600)
     after = {w: (await tree.engine_stats(w)).pid for w in WORKERS}

@@ -4,16 +4,11 @@ SIGKILLed under load, every stream equal to the fault-free run."""
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import AsyncIterator
 
-import anyio
-import openai
 import pytest
 
-from actors.testing import wait_until
-from tests.gpu.conftest import MODEL, sglang_args
+from tests.gpu.conftest import MODEL, sglang_args, stream_all
 from tests.helpers.serving import Tree, serving_tree
 
 PROMPTS = [f"Story number {i}: it began when" for i in range(4)]
@@ -36,48 +31,21 @@ async def tree() -> AsyncIterator[Tree]:
         yield tree
 
 
-async def _streams(tree: Tree, kill: str | None = None) -> list[str]:
-    """The four prompts streamed at once; ``kill``: SIGKILL that role's busiest worker, a decode
-    worker once every stream has output, the prefill worker once the first has (the others
-    still being prefilled or waiting for their KV)."""
-    texts = [""] * len(PROMPTS)
-    async with openai.AsyncOpenAI(base_url=f"{tree.url}/v1", api_key="-", max_retries=0) as c:
-        model = (await c.models.list()).data[0].id
-
-        async def one(i: int) -> None:
-            async for chunk in await c.completions.create(
-                model=model, prompt=PROMPTS[i], max_tokens=256, temperature=0, stream=True
-            ):
-                texts[i] += chunk.choices[0].text if chunk.choices else ""
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):
-                tg.start_soon(one, i)
-            if kill is not None:
-                started = all if kill == "decode" else any
-                await wait_until(lambda: started(texts), timeout=120)
-                workers = [w for w, r in tree.serving.roles.items() if r == kill]
-                stats = {w: await tree.engine_stats(w) for w in workers}
-                victim = max(workers, key=lambda w: stats[w].running)
-                os.kill(stats[victim].pid, signal.SIGKILL)
-    return texts
-
-
 async def test_streams_through_prefill_and_decode(tree: Tree) -> None:
-    texts = await _streams(tree)
+    texts = await stream_all(tree, PROMPTS)
     assert all(texts)
-    assert texts == await _streams(tree)  # greedy on the same weights: the same tokens
+    assert texts == await stream_all(tree, PROMPTS)  # greedy on the same weights: the same tokens
 
 
 async def test_decode_sigkill_mid_stream_is_migrated_token_for_token(tree: Tree) -> None:
-    baseline = await _streams(tree)
-    assert await _streams(tree, kill="decode") == baseline
+    baseline = await stream_all(tree, PROMPTS)
+    assert await stream_all(tree, PROMPTS, kill="decode") == baseline
     await tree.wait_ready(3, timeout=600)
 
 
 async def test_prefill_sigkill_under_load_loses_nothing(tree: Tree) -> None:
-    baseline = await _streams(tree)
+    baseline = await stream_all(tree, PROMPTS)
     # Requests whose KV arrived keep decoding; the others are prefilled again once the prefill
     # worker is back.
-    assert await _streams(tree, kill="prefill") == baseline
+    assert await stream_all(tree, PROMPTS, kill="prefill") == baseline
     await tree.wait_ready(3, timeout=600)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from actors.testing import wait_until
 from protocols import control
@@ -30,6 +32,17 @@ async def _run_all(
         for i in range(len(prompts)):
             tg.start_soon(one, i)
     return [results[i] for i in range(len(prompts))]
+
+
+def _fallbacks() -> float:
+    """Requests served by a decode worker alone so far."""
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        if metric.name == "actorserve_decode_only_fallback"
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )
 
 
 async def _quiet(tree: Tree) -> None:
@@ -102,16 +115,22 @@ async def test_client_cancel_during_transfer_frees_both_sides() -> None:
         await _quiet(tree)
 
 
-@pytest.mark.parametrize("prefill_workers", [1, 2])
-async def test_prefill_killed_while_decode_waits_for_its_kv(prefill_workers: int) -> None:
+@pytest.mark.parametrize(("prefill_workers", "prefills_alone"), [(1, True), (2, True), (1, False)])
+async def test_prefill_killed_while_decode_waits_for_its_kv(
+    prefill_workers: int, prefills_alone: bool, tmp_path: Path
+) -> None:
     prompt = "a prompt whose prefill dies during its KV handshake " * 3
     # The request's deadline is far below decode's own KV receive timeout: it must move on
-    # when its prefill dies, not when decode gives up waiting.
+    # when its prefill dies, not when decode gives up waiting. Decode engines that cannot
+    # prefill alone (SGLang's) make it wait for the prefill worker's restart instead of falling
+    # back to decode only.
+    fail_file = str(tmp_path / "fail-starts-{worker}")
     async with serving_tree(
         mode="disaggregated",
         prefill_workers=prefill_workers,
         decode_workers=2,
         request_timeout=20.0,
+        engine_args={"prefills_alone": prefills_alone, "fail_start_file": fail_file},
     ) as tree:
         table = tree.serving.table
         tokens = tree.serving.tokenizer.encode(prompt)
@@ -142,11 +161,17 @@ async def test_prefill_killed_while_decode_waits_for_its_kv(prefill_workers: int
                     return False
                 return any([(await tree.engine_stats(w)).transfer_pages > 0 for w in decodes])
 
+            fallbacks = _fallbacks()
+            if not prefills_alone:
+                # Its next starts fail: the retry finds no prefill worker routable for a while.
+                await anyio.Path(fail_file.replace("{worker}", victim)).write_text("2")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(one)
                 await wait_until(in_handshake)
                 os.kill(victim_pid, signal.SIGKILL)
         assert result["error"] is None, result["error"]
+        if not prefills_alone:
+            assert _fallbacks() == fallbacks
         assert (result["text"], result["finish"]) == (expected["text"], expected["finish"])
         assert result["usage"]["completion_tokens"] == 40
         if prefill_workers > 1:

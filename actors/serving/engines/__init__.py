@@ -17,7 +17,13 @@ state).
   seed, sampled ones without a seed use ``default_seed`` — with EOS at ``eos_rate``; max/min
   tokens, ``ignore_eos``, ``stop_token_ids`` and ``eos_token_ids`` honoured (stop and EOS tokens
   are included in the output, as SGLang returns them). Prompt + the first k generated tokens
-  continues with exactly the rest, provided ``max_tokens`` and ``min_tokens`` are reduced by k.
+  continues with exactly the rest, provided ``max_tokens`` and ``min_tokens`` are reduced by k
+  (and ``generated`` says k, for what follows).
+- **Steering**: a grammar (structured output, through the shared ``_grammar`` module on
+  llguidance, as the ``hf`` engine's), ``logit_bias`` and the presence, frequency and repetition
+  penalties choose among the tokens by deterministic pseudo-logits (the rule is in
+  ``_mock/_steer``); a migrated request replays its grammar and counts its penalties over its
+  ``generated`` tokens, so it continues exactly. ``prompt_logprobs`` come with the first output.
 - **Memory**: real KV pages (host ``mmap``, or CUDA through torch on a GPU host) whose content is
   a deterministic function of the tokens; a weights stand-in and a CUDA-graph stand-in buffer;
   ``release_memory`` / ``resume_memory`` free and re-allocate them (visible in RSS).

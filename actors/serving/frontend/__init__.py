@@ -11,10 +11,17 @@ models).
 from actors.serving.frontend._app import create_app
 from actors.serving.frontend._backend import Backend, EndpointStatus, ModelInfo
 from actors.serving.frontend._metrics import FrontendMetrics
+from actors.serving.frontend._parsers import (
+    REASONING_PARSER_NAMES,
+    TOOL_CALL_PARSER_NAMES,
+    check_parser_names,
+)
 from actors.serving.frontend._serve import serve
 from actors.serving.frontend._tokenizer import ByteTokenizer, Detokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
+    "REASONING_PARSER_NAMES",
+    "TOOL_CALL_PARSER_NAMES",
     "Backend",
     "ByteTokenizer",
     "Detokenizer",
@@ -23,6 +30,7 @@ __all__ = [
     "HFTokenizer",
     "ModelInfo",
     "Tokenizer",
+    "check_parser_names",
     "create_app",
     "serve",
 ]

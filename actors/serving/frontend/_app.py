@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from protocols.engine import EngineOutput, PreprocessedRequest
+from protocols.engine import EngineOutput, PreprocessedRequest, Usage
 from protocols.errors import ModelNotFound, Overloaded, RequestError, StreamIncomplete
 
 from ._backend import Backend, ModelInfo
@@ -32,7 +33,14 @@ from ._errors import (
     internal_error_handler,
     internal_error_response,
 )
-from ._mapping import build_request, chat_prompt, completion_prompt, guided_decoding
+from ._mapping import (
+    build_request,
+    chat_prompt,
+    choice_requests,
+    completion_prompts,
+    guided_decoding,
+    logit_bias,
+)
 from ._metrics import FrontendMetrics, RequestMetrics
 from ._openai_types import (
     ChatCompletionRequest,
@@ -44,10 +52,13 @@ from ._openai_types import (
     ModelList,
 )
 from ._ops import Ops
+from ._parsers import OutputParser, ParsedDelta, output_parser
+from ._parsers._chat import tool_plan
 from ._pipeline import Choice
 from ._sse import SSEResponse, SSEWriter
 from ._streams import (
     STREAM_ENDED,
+    FrameQueue,
     aclose_quietly,
     next_output,
     ready_output,
@@ -200,13 +211,183 @@ class _App(FastAPI):
         return self.openapi_schema
 
 
-def _with_logprobs(renderer: Renderer, choice: Choice) -> Callable[[str, str | None], bytes]:
-    """The renderer's ``delta``, each frame with the logprobs of the tokens since the last."""
+class _Part:
+    """One choice of a request: its engine request, its state, its renderer, and the text it
+    begins with (the echoed prompt)."""
+
+    __slots__ = ("choice", "echo", "first", "parser", "preq", "renderer", "result")
+
+    def __init__(
+        self,
+        preq: PreprocessedRequest,
+        choice: Choice,
+        renderer: Renderer[Any],
+        echo: str,
+        *,
+        first: bool,
+    ) -> None:
+        self.preq = preq
+        self.choice = choice
+        self.renderer = renderer
+        self.echo = echo
+        self.first = first  # the first choice of its prompt (usage counts each prompt once)
+        self.result: tuple[str, str] | None = None  # the whole text and finish (non-streaming)
+        # Reads tool calls and reasoning out of a chat answer; None: plain text (the fast path).
+        self.parser: OutputParser | None = None
+
+    def delta(self) -> Callable[[str, str | None], bytes]:
+        """The frame of a text delta of this choice, and its finish reason on the last."""
+        renderer, choice, parser = self.renderer, self.choice, self.parser
+        if parser is not None:
+            assert isinstance(renderer, ChatRenderer)
+            return _parsed_delta(parser, renderer, choice)
+        if not choice.wants_logprobs:
+            return renderer.delta
+
+        def delta(text: str, finish_reason: str | None) -> bytes:
+            # Each frame with the logprobs of the tokens since the last.
+            return renderer.delta(text, finish_reason, choice.take_logprobs())
+
+        return delta
+
+
+def _parsed_delta(
+    parser: OutputParser, renderer: ChatRenderer, choice: Choice
+) -> Callable[[str, str | None], bytes]:
+    """The frames of a choice whose text goes through ``parser``: its content, reasoning and
+    tool-call deltas, and ``tool_calls`` as the finish reason of an answer that stopped after
+    sending calls."""
 
     def delta(text: str, finish_reason: str | None) -> bytes:
-        return renderer.delta(text, finish_reason, choice.take_logprobs())
+        parsed = parser.feed(text) if text else ParsedDelta()
+        if finish_reason is not None:
+            tail = parser.finish()
+            parsed.content += tail.content
+            parsed.reasoning_content += tail.reasoning_content
+            parsed.tool_calls += tail.tool_calls
+            if finish_reason == "stop" and parser.tool_calls_made:
+                finish_reason = "tool_calls"
+        return renderer.parsed(parsed, finish_reason, choice.take_logprobs())
 
     return delta
+
+
+def _parts(
+    info: ModelInfo,
+    prompts: list[tuple[PreprocessedRequest, str]],
+    copies: int,
+    renderer: Callable[[int], Renderer[Any]],
+    *,
+    logprobs: bool,
+    echo: bool = False,
+    ranked: bool = False,
+) -> list[_Part]:
+    """The choices of a request: ``copies`` of each prompt's engine request (with the text its
+    choices begin with), of indexes ``prompt * copies + j``; one choice keeps its request as it
+    is (its rid the response's id)."""
+    tokenizer = info.tokenizer
+    parts: list[_Part] = []
+    for p, (preq, text) in enumerate(prompts):
+        indexes = range(p * copies, (p + 1) * copies)
+        single = len(prompts) == 1 and copies == 1
+        own_requests = [preq] if single else choice_requests(preq, indexes)
+        for index, own in zip(indexes, own_requests, strict=True):
+            stop = own.stop_conditions
+            choice = Choice(
+                tokenizer.detokenizer(own.token_ids),
+                prompt_tokens=len(own.token_ids),
+                stop=stop.stop or (),
+                min_tokens=stop.min_tokens or 0,
+                logprobs=tokenizer if logprobs else None,
+                echo=own.token_ids if echo else None,
+                ranked=ranked,
+            )
+            parts.append(_Part(own, choice, renderer(index), text, first=index == indexes[0]))
+    return parts
+
+
+def _best(parts: list[_Part], n: int) -> list[_Part]:
+    """The choices a response returns, in index order: of each prompt's, the ``n`` of the
+    highest logprob sum (``best_of``), or all of them."""
+    if len(parts) == 1:
+        return parts
+    groups: list[list[_Part]] = []
+    for part in parts:
+        if part.first:
+            groups.append([])
+        groups[-1].append(part)
+    return [
+        part
+        for group in groups
+        for part in (
+            group
+            if len(group) == n
+            else sorted(group, key=lambda p: p.choice.logprob_sum, reverse=True)[:n]
+        )
+    ]
+
+
+async def _pump(
+    part: _Part,
+    outputs: AsyncIterator[EngineOutput],
+    text: str,
+    finish: str | None,
+    frames: list[bytes],
+    send: Callable[[bytes], Awaitable[None]],
+    tokens: Callable[[int], None],
+) -> None:
+    """Stream one choice, from its first output's ``text`` and ``finish`` on: its frames go to
+    ``send`` as they come, those of outputs already here together; the last ones (those not
+    sent when it raises) are left in ``frames``.
+
+    This is the per-chunk loop: its callables looked up once, the iterator's ``__anext__``
+    awaited directly (``next_output``'s check is the ``except`` below).
+    """
+    start = part.renderer.start()
+    if start is not None:
+        frames.append(start)
+    text = part.echo + text
+    delta = part.delta()
+    if text or finish is not None:
+        frames.append(delta(text, finish))
+    ready, receive, on_output = ready_output(outputs), outputs.__anext__, part.choice.on_output
+    try:
+        while finish is None:
+            out = ready()
+            if out is None:
+                if frames:
+                    await send(b"".join(frames))
+                    frames.clear()
+                out = await receive()
+            text, finish = on_output(out)
+            tokens(len(out.token_ids))
+            if text or finish is not None:
+                frames.append(delta(text, finish))
+    except StopAsyncIteration:
+        raise StreamIncomplete(STREAM_ENDED) from None
+
+
+def _late_error(exc: Exception) -> tuple[bytes, str]:
+    """The SSE error event of a stream that failed after its status line (which is gone: the
+    error goes in the stream, which still ends properly); and its error type label."""
+    if isinstance(exc, RequestError):
+        return error_frame(error_payload(exc)), error_type_label(exc)
+    log.error("stream failed", exc_info=exc)
+    return error_frame(error_body(500, "internal server error", "internal")), "internal"
+
+
+def _usage(parts: Sequence[_Part]) -> Usage:
+    """The usage of a request: every choice's completion tokens, each prompt once."""
+    if len(parts) == 1:
+        return parts[0].choice.final_usage()
+    usages = [part.choice.final_usage() for part in parts]
+    firsts = [usage for part, usage in zip(parts, usages, strict=True) if part.first]
+    cached = [usage.cached_tokens for usage in firsts]
+    return Usage(
+        prompt_tokens=sum(usage.prompt_tokens for usage in firsts),
+        completion_tokens=sum(usage.completion_tokens for usage in usages),
+        cached_tokens=None if None in cached else sum(c for c in cached if c is not None),
+    )
 
 
 async def _on_http_exception(request: Request, exc: HTTPException) -> Response:
@@ -237,15 +418,34 @@ class _Frontend:
         m = self.metrics.start(CHAT_PATH)
         try:
             info = self._admit(body.model)
-            prompt = await chat_prompt(info, body)
+            tools = tool_plan(body, info.tool_call_parser)
+            prompt = await chat_prompt(info, body, tools)
             rid = f"chatcmpl-{secrets.token_hex(16)}"
             max_tokens = body.max_completion_tokens or body.max_tokens
-            guided = guided_decoding(body.response_format)
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            preq = build_request(rid, prompt, info, body, max_tokens, "messages", guided, logprobs)
+            guided, bias = tools.grammar or guided_decoding(body), logit_bias(body, info)
+            preq = build_request(
+                rid, prompt, info, body, max_tokens, "messages", guided, logprobs, bias=bias
+            )
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            renderer = ChatRenderer(rid, info.name, int(time.time()), include_usage=include_usage)
-            return await self._generate(request, info, preq, renderer, body, m, "")
+            created = int(time.time())
+
+            def renderer(index: int) -> ChatRenderer:
+                return ChatRenderer(
+                    rid, info.name, created, include_usage=include_usage, index=index
+                )
+
+            parts = _parts(info, [(preq, "")], body.n, renderer, logprobs=logprobs is not None)
+            for part in parts:
+                part.parser = output_parser(
+                    tool_parser=tools.parser,
+                    # A grammar constrains the answer from its first token: no reasoning.
+                    reasoning_parser=info.reasoning_parser if guided is None else None,
+                    tool_names=tools.names,
+                    max_calls=tools.max_calls,
+                    separate_reasoning=body.separate_reasoning,
+                )
+            return await self._generate(request, info, parts, body.stream, body.n, m)
         except RequestError as exc:
             return self._fail(m, exc)
         except Exception as exc:
@@ -256,17 +456,52 @@ class _Frontend:
         m = self.metrics.start(COMPLETIONS_PATH)
         try:
             info = self._admit(body.model)
-            prompt_text, prompt = await completion_prompt(info, body)
+            prompts = await completion_prompts(info, body)
             rid = f"cmpl-{secrets.token_hex(16)}"
             # OpenAI's default for completions is 16 tokens (chat's is "the rest of the context").
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
-            preq = build_request(rid, prompt, info, body, max_tokens, "prompt", None, body.logprobs)
+            copies = body.best_of or body.n
+            ranked = copies > body.n
+            # Ranking the choices of best_of needs their logprobs, asked for or not.
+            logprobs = body.logprobs if body.logprobs is not None or not ranked else 0
+            echoed = body.logprobs if body.echo else None
+            guided, bias = guided_decoding(body), logit_bias(body, info)
+            preqs = [
+                (
+                    build_request(
+                        rid,
+                        ids,
+                        info,
+                        body,
+                        max_tokens,
+                        "prompt",
+                        guided,
+                        logprobs,
+                        bias=bias,
+                        prompt_logprobs=echoed,
+                    ),
+                    text if body.echo else "",
+                )
+                for text, ids in prompts
+            ]
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            renderer = CompletionRenderer(
-                rid, info.name, int(time.time()), include_usage=include_usage
+            created = int(time.time())
+
+            def renderer(index: int) -> CompletionRenderer:
+                return CompletionRenderer(
+                    rid, info.name, created, include_usage=include_usage, index=index
+                )
+
+            parts = _parts(
+                info,
+                preqs,
+                copies,
+                renderer,
+                logprobs=body.logprobs is not None,
+                echo=echoed is not None,
+                ranked=ranked,
             )
-            echo = prompt_text if body.echo else ""
-            return await self._generate(request, info, preq, renderer, body, m, echo)
+            return await self._generate(request, info, parts, body.stream, body.n, m)
         except RequestError as exc:
             return self._fail(m, exc)
         except Exception as exc:
@@ -286,150 +521,151 @@ class _Frontend:
         self,
         request: Request,
         info: ModelInfo,
-        preq: PreprocessedRequest,
-        renderer: Renderer,
-        body: ChatCompletionRequest | CompletionRequest,
+        parts: list[_Part],
+        stream: bool,
+        n: int,
         m: RequestMetrics,
-        echo: str,
     ) -> Response:
-        choice = Choice(
-            info.tokenizer.detokenizer(preq.token_ids),
-            prompt_tokens=len(preq.token_ids),
-            stop=preq.stop_conditions.stop or (),
-            min_tokens=preq.stop_conditions.min_tokens or 0,
-            logprobs=None if preq.logprobs is None else info.tokenizer,
-        )
-        if body.stream:
+        """Serve ``parts``, the choices of a request (``n`` of each prompt returned)."""
+        prompt_tokens = sum(len(part.preq.token_ids) for part in parts if part.first)
+        if stream:
             # Everything that touches the backend runs in the response's task: the first output
             # (which decides the status line), the stream, the close. The response's disconnect
             # watcher covers all of it, the wait for the first output included.
             # Counted in flight now, so max_inflight holds however many requests arrive at once;
             # the producer's own finally (it always runs: the response always starts it) counts
             # it out.
-            self._enter(m, info, preq, "stream")
+            self._enter(m, info, prompt_tokens, "stream")
             # A partial, not a coroutine around _stream: one frame less to resume per chunk.
-            produce = partial(
-                self._stream, info=info, preq=preq, choice=choice, renderer=renderer, m=m, echo=echo
-            )
+            if len(parts) == 1:
+                produce = partial(self._stream, info=info, part=parts[0], m=m)
+            else:
+                produce = partial(self._stream_choices, info=info, parts=parts, m=m)
             return SSEResponse(produce, ping_s=self.ping_interval_s)
-        self._enter(m, info, preq, "unary")
-        return await self._unary(request, info, preq, choice, renderer, m, echo)
+        self._enter(m, info, prompt_tokens, "unary")
+        return await self._unary(request, info, parts, n, m)
 
-    def _enter(
-        self, m: RequestMetrics, info: ModelInfo, preq: PreprocessedRequest, kind: str
-    ) -> None:
-        m.admitted(info.name, kind, len(preq.token_ids))
+    def _enter(self, m: RequestMetrics, info: ModelInfo, prompt_tokens: int, kind: str) -> None:
+        m.admitted(info.name, kind, prompt_tokens)
         self.inflight += 1
+
+    async def _each_choice(
+        self,
+        info: ModelInfo,
+        parts: Sequence[_Part],
+        consume: Callable[[_Part, AsyncIterator[EngineOutput]], Awaitable[None]],
+    ) -> None:
+        """``consume`` the outputs of every part's engine request, all at once (one task each,
+        when there are several); the first failure cancels the others and is raised as it is.
+        Each part's outputs are closed (the engine request aborted, if unfinished) as it ends."""
+        if len(parts) == 1:
+            await self._consume(info, parts[0], consume)
+            return
+        failures: list[Exception] = []
+        async with anyio.create_task_group() as tg:
+
+            async def run(part: _Part) -> None:
+                try:
+                    await self._consume(info, part, consume)
+                except Exception as exc:
+                    failures.append(exc)
+                    tg.cancel_scope.cancel()
+
+            for part in parts:
+                tg.start_soon(run, part)
+        if failures:
+            raise failures[0]
+
+    async def _consume(
+        self,
+        info: ModelInfo,
+        part: _Part,
+        consume: Callable[[_Part, AsyncIterator[EngineOutput]], Awaitable[None]],
+    ) -> None:
+        outputs = self.backend.generate(info.name, part.preq)
+        try:
+            await consume(part, outputs)
+        finally:
+            await aclose_quietly(outputs)
 
     async def _unary(
         self,
         request: Request,
         info: ModelInfo,
-        preq: PreprocessedRequest,
-        choice: Choice,
-        renderer: Renderer,
+        parts: list[_Part],
+        n: int,
         m: RequestMetrics,
-        echo: str,
     ) -> Response:
-        outputs = self.backend.generate(info.name, preq)
+        tokens = m.tokens
 
-        async def collect() -> tuple[str, str]:
-            parts = [echo]
+        async def collect(part: _Part, outputs: AsyncIterator[EngineOutput]) -> None:
+            texts = [part.echo]
             while True:
                 out = await next_output(outputs)
-                text, finish = choice.on_output(out)
-                m.tokens(len(out.token_ids))
-                parts.append(text)
+                text, finish = part.choice.on_output(out)
+                tokens(len(out.token_ids))
+                texts.append(text)
                 if finish is not None:
-                    return "".join(parts), finish
+                    part.result = "".join(texts), finish
+                    return
 
-        try:
-            result, disconnected = await until_disconnected(request.receive, collect)
-        finally:
-            await aclose_quietly(outputs)
-        if result is None or disconnected:
+        _, disconnected = await until_disconnected(
+            request.receive, partial(self._each_choice, info, parts, collect)
+        )
+        if disconnected:
             self._finish(m, "cancelled", disconnected=True)
             return Response(status_code=499)
-        text, finish = result
         self._finish(m, "success")
-        body = renderer.body(text, finish, choice.final_usage(), choice.take_logprobs())
+        renderer = parts[0].renderer
+        choices = []
+        for index, part in enumerate(_best(parts, n)):
+            assert part.result is not None
+            text, finish = part.result
+            logprobs = part.choice.take_logprobs()
+            if part.parser is not None:
+                assert isinstance(part.renderer, ChatRenderer)
+                part.parser.feed(text)
+                part.parser.finish()
+                choices.append(part.renderer.parsed_choice(index, part.parser, finish, logprobs))
+            else:
+                choices.append(part.renderer.choice(index, text, finish, logprobs))
+        body = renderer.body(choices, _usage(parts))
         return Response(body, media_type="application/json")
 
     async def _stream(
-        self,
-        writer: SSEWriter,
-        info: ModelInfo,
-        preq: PreprocessedRequest,
-        choice: Choice,
-        renderer: Renderer,
-        m: RequestMetrics,
-        echo: str,
+        self, writer: SSEWriter, info: ModelInfo, part: _Part, m: RequestMetrics
     ) -> None:
-        """Produce an SSE response: its head (see :class:`SSEWriter`), then the frames.
+        """Produce the SSE response of one choice: its head (see :class:`SSEWriter`), then the
+        frames.
 
         Outputs that are already here when a write is due go out in that same write (several
         ``data:`` events in one body chunk); a frame never waits for a later output.
         """
         status, error_type = "cancelled", ""
         outputs: AsyncIterator[EngineOutput] | None = None
+        choice, renderer = part.choice, part.renderer
         try:
             try:
-                outputs = self.backend.generate(info.name, preq)
+                outputs = self.backend.generate(info.name, part.preq)
                 first = await next_output(outputs)
                 text, finish = choice.on_output(first)
                 m.tokens(len(first.token_ids))
-            except RequestError as exc:
-                # Nothing was sent yet: the error keeps its own status (and Retry-After).
-                status, error_type = "error", error_type_label(exc)
-                await writer.start(error_response(exc, retry_after_s=self.retry_after_s))
-                return
             except Exception as exc:
-                status, error_type = "error", "internal"
-                log.error("request failed", exc_info=exc)
-                await writer.start(internal_error_response())
+                head, error_type = self._early_error(exc)
+                status = "error"
+                await writer.start(head)
                 return
             await writer.start()  # a 200 stream follows
             frames: list[bytes] = []
             try:
-                start = renderer.start()
-                if start is not None:
-                    frames.append(start)
-                text = echo + text
-                delta = (
-                    _with_logprobs(renderer, choice) if choice.wants_logprobs else renderer.delta
-                )
-                if text or finish is not None:
-                    frames.append(delta(text, finish))
-                # The per-chunk loop: its callables looked up once, the iterator's __anext__
-                # awaited directly (next_output's check is the except below).
-                ready, receive = ready_output(outputs), outputs.__anext__
-                on_output, tokens, send = choice.on_output, m.tokens, writer.send
-                try:
-                    while finish is None:
-                        out = ready()
-                        if out is None:
-                            if frames:
-                                await send(b"".join(frames))
-                                frames.clear()
-                            out = await receive()
-                        text, finish = on_output(out)
-                        tokens(len(out.token_ids))
-                        if text or finish is not None:
-                            frames.append(delta(text, finish))
-                except StopAsyncIteration:
-                    raise StreamIncomplete(STREAM_ENDED) from None
+                await _pump(part, outputs, text, finish, frames, writer.send, m.tokens)
                 status = "success"
                 if renderer.include_usage:
                     frames.append(renderer.usage(choice.final_usage()))
-            except RequestError as exc:
-                status, error_type = "error", error_type_label(exc)
-                # After the headers, the status line is gone: the error goes in the stream, and
-                # the stream still ends properly.
-                frames.append(error_frame(error_payload(exc)))
             except Exception as exc:
-                status, error_type = "error", "internal"
-                log.error("stream failed", exc_info=exc)
-                frames.append(error_frame(error_body(500, "internal server error", "internal")))
+                frame, error_type = _late_error(exc)
+                status = "error"
+                frames.append(frame)
             # Closed before the last write: once the client has the whole answer, the engine
             # request is over (aborted, if a stop string ended it early).
             closing, outputs = outputs, None
@@ -441,7 +677,84 @@ class _Frontend:
                 await aclose_quietly(outputs)
             self._finish(m, status, error_type, disconnected=writer.disconnected)
 
+    async def _stream_choices(
+        self, writer: SSEWriter, info: ModelInfo, parts: list[_Part], m: RequestMetrics
+    ) -> None:
+        """Produce the SSE response of several choices, all generated at once.
+
+        The choices' tasks queue their frames; this task alone writes them, all that are queued
+        at each write. The status line goes out once every choice has its first output: a
+        failure before that keeps its own status, a later one is an SSE error event.
+        """
+        status, error_type = "cancelled", ""
+        queue = FrameQueue()
+        failure: Exception | None = None
+        early = False  # the failure came before every choice had its first output
+        tokens = m.tokens
+        waiting, started = len(parts), anyio.Event()
+
+        async def consume(part: _Part, outputs: AsyncIterator[EngineOutput]) -> None:
+            nonlocal waiting
+            first = await next_output(outputs)
+            text, finish = part.choice.on_output(first)
+            tokens(len(first.token_ids))
+            waiting -= 1
+            if not waiting:
+                started.set()
+            frames: list[bytes] = []
+            try:
+                await _pump(part, outputs, text, finish, frames, queue.put, tokens)
+            finally:
+                if frames:  # the last frames, or those before a failure (put never waits)
+                    await queue.put(b"".join(frames))
+
+        async def generate() -> None:
+            nonlocal failure, early
+            try:
+                await self._each_choice(info, parts, consume)
+            except Exception as exc:
+                failure, early = exc, not started.is_set()
+            started.set()
+            queue.close()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(generate)
+                await started.wait()
+                if early:
+                    assert failure is not None
+                    head, error_type = self._early_error(failure)
+                    status = "error"
+                    await writer.start(head)
+                    return
+                await writer.start()  # a 200 stream follows
+                frames = await queue.take()
+                while not queue.closed:
+                    await writer.send(frames)
+                    frames = await queue.take()
+            ending = [frames]
+            if failure is None:
+                status = "success"
+                if parts[0].renderer.include_usage:
+                    ending.append(parts[0].renderer.usage(_usage(parts)))
+            else:
+                frame, error_type = _late_error(failure)
+                status = "error"
+                ending.append(frame)
+            ending.append(DONE_FRAME)
+            await writer.end(b"".join(ending))
+        finally:
+            self._finish(m, status, error_type, disconnected=writer.disconnected)
+
     # --- outcomes ---------------------------------------------------------------------------
+
+    def _early_error(self, exc: Exception) -> tuple[Response, str]:
+        """The response of a stream that failed before its status line, which keeps the error's
+        own status (and Retry-After); and its error type label."""
+        if isinstance(exc, RequestError):
+            return error_response(exc, retry_after_s=self.retry_after_s), error_type_label(exc)
+        log.error("request failed", exc_info=exc)
+        return internal_error_response(), "internal"
 
     def _finish(
         self, m: RequestMetrics, status: str, error_type: str = "", *, disconnected: bool = False

@@ -27,6 +27,13 @@ class ModelInfo:
     #: Unix time shown as ``created`` in ``/v1/models``.
     created: int = 0
     owned_by: str = "actorserve"
+    #: ``--tool-call-parser``: the format chat answers are read for tool calls in (``None``:
+    #: requests with tools are refused).
+    tool_call_parser: str | None = None
+    #: ``--reasoning-parser``: how reasoning is split from chat answers (``None``: it is not).
+    reasoning_parser: str | None = None
+    #: How many token ids the model has (``logit_bias`` refuses others); ``None``: unknown.
+    vocab_size: int | None = None
 
 
 @runtime_checkable

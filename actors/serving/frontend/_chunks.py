@@ -1,17 +1,22 @@
 """Response bodies and SSE frames, encoded with msgspec.
 
-This is the per-chunk hot path: no pydantic here. A renderer is built once per request (id, model,
-created) and turns text deltas into ready-to-send SSE frames; the shapes match OpenAI's and the
-documentation models in ``_openai_types.py``.
+This is the per-chunk hot path: no pydantic here. A renderer is built once per choice (the
+request's id, model, created; the choice's index) and turns the choice's text deltas into
+ready-to-send SSE frames; the shapes match OpenAI's and the documentation models in
+``_openai_types.py``.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 import msgspec
 
 from protocols.engine import Usage
+
+from ._parsers import OutputParser, ParsedDelta, ToolCall, ToolCallDelta
 
 __all__ = [
     "DONE_FRAME",
@@ -54,11 +59,12 @@ class TopLogprob(msgspec.Struct):
 
 
 class TokenLogprob(msgspec.Struct):
-    """One generated token's logprob and its alternatives, in chat's shape (which completions'
-    legacy shape is made from)."""
+    """One token's logprob and its alternatives, in chat's shape (which completions' legacy
+    shape is made from). Only an echoed prompt's first token has no logprob (``None``); its
+    special tokens have no ``bytes``, as they take no room in the echoed text."""
 
     token: str
-    logprob: float
+    logprob: float | None
     bytes: list[int]
     top_logprobs: list[TopLogprob]
 
@@ -70,8 +76,8 @@ class _ChatLogprobs(msgspec.Struct):
 
 class _CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -81,6 +87,9 @@ class _CompletionLogprobs(msgspec.Struct):
 class _ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    # With an output parser (see _parsers): the reasoning and the calls, only where there are.
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class _ChatChunkChoice(msgspec.Struct):
@@ -101,9 +110,11 @@ class _ChatChunk(msgspec.Struct, omit_defaults=True):
     usage: _Usage | msgspec.UnsetType | None = msgspec.UNSET
 
 
-class _ChatMessage(msgspec.Struct):
+class _ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # null when the answer is only tool calls
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class _ChatChoice(msgspec.Struct):
@@ -160,16 +171,23 @@ _MARK = "\x00"
 _ENCODED_MARK = _encode(_MARK)
 
 
-class Renderer(abc.ABC):
-    """Renders one request's stream frames and its non-streaming body."""
+#: A renderer's choice in a non-streaming body.
+C = TypeVar("C", bound=msgspec.Struct)
 
-    __slots__ = ("_head", "_tail", "created", "id", "include_usage", "model")
 
-    def __init__(self, id: str, model: str, created: int, *, include_usage: bool) -> None:
+class Renderer(abc.ABC, Generic[C]):
+    """Renders one choice's stream frames and its part of the non-streaming body."""
+
+    __slots__ = ("_head", "_tail", "created", "id", "include_usage", "index", "model")
+
+    def __init__(
+        self, id: str, model: str, created: int, *, include_usage: bool, index: int = 0
+    ) -> None:
         self.id = id
         self.model = model
         self.created = created
         self.include_usage = include_usage
+        self.index = index
         # The frame of a text delta (no finish reason) around its text, encoded once: each delta
         # then encodes only its text, with the same bytes as encoding the whole chunk.
         self._head, _, self._tail = self._frame_of(_MARK).rpartition(_ENCODED_MARK)
@@ -197,26 +215,31 @@ class Renderer(abc.ABC):
         """The usage frame (``choices: []``) sent after the last one when asked for."""
 
     @abc.abstractmethod
-    def body(
+    def choice(
         self,
+        index: int,
         text: str,
         finish_reason: str,
-        usage: Usage,
         logprobs: list[TokenLogprob] | None = None,
-    ) -> bytes:
-        """The whole non-streaming response (``logprobs``: every token's, when asked for)."""
+    ) -> C:
+        """The choice of index ``index`` in a non-streaming response (``logprobs``: every
+        token's, when asked for)."""
+
+    @abc.abstractmethod
+    def body(self, choices: Sequence[C], usage: Usage) -> bytes:
+        """The whole non-streaming response of ``choices``."""
 
     def _chunk_usage(self) -> msgspec.UnsetType | None:
         return None if self.include_usage else msgspec.UNSET
 
 
-class ChatRenderer(Renderer):
+class ChatRenderer(Renderer[_ChatChoice]):
     """``chat.completion.chunk`` frames and the ``chat.completion`` body."""
 
     __slots__ = ()
 
     def start(self) -> bytes | None:
-        choice = _ChatChunkChoice(0, _ChatDelta(role="assistant", content=""))
+        choice = _ChatChunkChoice(self.index, _ChatDelta(role="assistant", content=""))
         return self._chunk(choice)
 
     def delta(
@@ -230,10 +253,10 @@ class ChatRenderer(Renderer):
         delta = _ChatDelta(content=text) if text else _ChatDelta()
         # Chunks without new tokens (the last one, often) say null, as OpenAI's do.
         chat_logprobs = _ChatLogprobs(logprobs) if logprobs else None
-        return self._chunk(_ChatChunkChoice(0, delta, chat_logprobs, finish_reason))
+        return self._chunk(_ChatChunkChoice(self.index, delta, chat_logprobs, finish_reason))
 
     def _frame_of(self, text: str) -> bytes:
-        return self._chunk(_ChatChunkChoice(0, _ChatDelta(content=text)))
+        return self._chunk(_ChatChunkChoice(self.index, _ChatDelta(content=text)))
 
     def _chunk(self, choice: _ChatChunkChoice) -> bytes:
         chunk = _ChatChunk(
@@ -252,29 +275,66 @@ class ChatRenderer(Renderer):
         )
         return _frame(_encode(chunk))
 
-    def body(
+    def choice(
         self,
+        index: int,
         text: str,
         finish_reason: str,
-        usage: Usage,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> _ChatChoice:
+        chat_logprobs = None if logprobs is None else _ChatLogprobs(logprobs)
+        return _ChatChoice(index, _ChatMessage("assistant", text), chat_logprobs, finish_reason)
+
+    def parsed(
+        self,
+        delta: ParsedDelta,
+        finish_reason: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
     ) -> bytes:
+        """The frame of what an output parser made of a text delta (no frame if nothing)."""
+        if not delta and finish_reason is None and not logprobs:
+            return b""
+        chat_delta = _ChatDelta(
+            content=delta.content or None,
+            reasoning_content=delta.reasoning_content or None,
+            tool_calls=delta.tool_calls or None,
+        )
+        chat_logprobs = _ChatLogprobs(logprobs) if logprobs else None
+        return self._chunk(_ChatChunkChoice(self.index, chat_delta, chat_logprobs, finish_reason))
+
+    def parsed_choice(
+        self,
+        index: int,
+        parser: OutputParser,
+        finish_reason: str,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> _ChatChoice:
+        """The choice of a whole answer read by ``parser`` (fed and finished): ``tool_calls``
+        as the finish reason of an answer that stopped after calls."""
+        calls = parser.tool_calls
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        message = _ChatMessage("assistant", parser.content, parser.reasoning_content, calls or None)
         chat_logprobs = None if logprobs is None else _ChatLogprobs(logprobs)
-        choice = _ChatChoice(0, _ChatMessage("assistant", text), chat_logprobs, finish_reason)
+        return _ChatChoice(index, message, chat_logprobs, finish_reason)
+
+    def body(self, choices: Sequence[_ChatChoice], usage: Usage) -> bytes:
         return _encode(
             _ChatCompletion(
-                self.id, "chat.completion", self.created, self.model, [choice], _usage(usage)
+                self.id, "chat.completion", self.created, self.model, list(choices), _usage(usage)
             )
         )
 
 
-class CompletionRenderer(Renderer):
+class CompletionRenderer(Renderer[_CompletionChoice]):
     """``text_completion`` frames and body."""
 
     __slots__ = ("_offset",)
 
-    def __init__(self, id: str, model: str, created: int, *, include_usage: bool) -> None:
-        super().__init__(id, model, created, include_usage=include_usage)
+    def __init__(
+        self, id: str, model: str, created: int, *, include_usage: bool, index: int = 0
+    ) -> None:
+        super().__init__(id, model, created, include_usage=include_usage, index=index)
         self._offset = 0  # where the next token's text starts in the choice's text
 
     def start(self) -> bytes | None:
@@ -297,7 +357,7 @@ class CompletionRenderer(Renderer):
         finish_reason: str | None = None,
         logprobs: _CompletionLogprobs | None = None,
     ) -> bytes:
-        choice = _CompletionChoice(0, text, logprobs, finish_reason)
+        choice = _CompletionChoice(self.index, text, logprobs, finish_reason)
         chunk = _CompletionChunk(
             self.id, "text_completion", self.created, self.model, [choice], self._chunk_usage()
         )
@@ -309,17 +369,19 @@ class CompletionRenderer(Renderer):
         )
         return _frame(_encode(chunk))
 
-    def body(
+    def choice(
         self,
+        index: int,
         text: str,
         finish_reason: str,
-        usage: Usage,
         logprobs: list[TokenLogprob] | None = None,
-    ) -> bytes:
-        choice = _CompletionChoice(0, text, self._legacy(logprobs), finish_reason)
+    ) -> _CompletionChoice:
+        return _CompletionChoice(index, text, self._legacy(logprobs), finish_reason)
+
+    def body(self, choices: Sequence[_CompletionChoice], usage: Usage) -> bytes:
         return _encode(
             _Completion(
-                self.id, "text_completion", self.created, self.model, [choice], _usage(usage)
+                self.id, "text_completion", self.created, self.model, list(choices), _usage(usage)
             )
         )
 
@@ -329,13 +391,16 @@ class CompletionRenderer(Renderer):
         if logprobs is None:
             return None
         offsets: list[int] = []
-        top: list[dict[str, float]] = []
+        top: list[dict[str, float] | None] = []
         offset = self._offset
         for entry in logprobs:
             offsets.append(offset)
             # Characters of the text, counted by the bytes that start one: a token ending
             # mid-character (its text an escape) moves the offset by the characters it starts.
             offset += sum(1 for byte in entry.bytes if byte & 0xC0 != 0x80)
+            if entry.logprob is None:
+                top.append(None)  # an echoed prompt's first token: OpenAI's null
+                continue
             alternatives = {alt.token: alt.logprob for alt in entry.top_logprobs}
             alternatives.setdefault(entry.token, entry.logprob)
             top.append(alternatives)

@@ -1,25 +1,37 @@
-"""From a validated OpenAI request to the engine's :class:`PreprocessedRequest`.
+"""From a validated OpenAI request to the engine's :class:`PreprocessedRequest` of each choice.
 
-Tokenisation (chat template or prompt), context-length checks, and the field mapping:
+Tokenisation (chat template or prompts), context-length checks, and the field mapping:
 ``max_tokens``/``max_completion_tokens``, ``min_tokens``, ``stop``, sampling options,
-``response_format`` as guided decoding.
+``logit_bias``, ``response_format``/``regex``/``ebnf`` as guided decoding; then one engine request
+per choice (:func:`choice_requests`).
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import anyio
+import msgspec
 
 from protocols.engine import Grammar, PreprocessedRequest, SamplingOptions, StopConditions
 from protocols.errors import ContextLengthExceeded
 
 from ._backend import ModelInfo
 from ._errors import invalid
-from ._openai_types import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from ._openai_types import ChatCompletionRequest, CompletionRequest
+from ._parsers._chat import NO_TOOLS, ToolPlan, template_messages
 
-__all__ = ["build_request", "chat_prompt", "completion_prompt", "guided_decoding"]
+__all__ = [
+    "build_request",
+    "chat_prompt",
+    "choice_requests",
+    "completion_prompts",
+    "guided_decoding",
+    "logit_bias",
+]
 
 #: Prompts longer than this (in characters) are tokenised in a worker thread, so one huge prompt
 #: cannot stall every other stream on the event loop; short ones stay inline (a thread hop costs
@@ -40,31 +52,33 @@ async def _tokenize(
     return fn()
 
 
-async def chat_prompt(info: ModelInfo, body: ChatCompletionRequest) -> list[int]:
-    """The conversation through the model's chat template, ending with the generation prompt."""
-    messages: list[dict[str, str]] = []
-    for msg in body.messages:
-        entry = {"role": msg.role, "content": msg.text()}
-        if msg.name:
-            entry["name"] = msg.name
-        messages.append(entry)
+async def chat_prompt(
+    info: ModelInfo, body: ChatCompletionRequest, tools: ToolPlan = NO_TOOLS
+) -> list[int]:
+    """The conversation through the model's chat template, ending with the generation prompt;
+    with the request's tools, calls and tool results (see ``_parsers._chat``)."""
+    tokenizer = info.tokenizer
+    messages, tool_specs = template_messages(body.messages, tools, native=tokenizer.renders_tools)
     size = sum(len(m["content"]) for m in messages)
     return await _tokenize(
-        lambda: info.tokenizer.apply_chat_template(messages), size, info, "messages"
+        lambda: tokenizer.apply_chat_template(messages, tools=tool_specs), size, info, "messages"
     )
 
 
-async def completion_prompt(info: ModelInfo, body: CompletionRequest) -> tuple[str, list[int]]:
-    """The prompt's text (for ``echo``) and token ids; one prompt, as text or as ids (or a list
-    of one of those: the model allows no more)."""
-    prompt = body.prompt
-    if isinstance(prompt, list) and not isinstance(prompt[0], int):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        text = prompt
-        return text, await _tokenize(lambda: info.tokenizer.encode(text), len(text), info, "prompt")
-    ids = [int(t) for t in prompt]
-    return (info.tokenizer.decode(ids) if body.echo else ""), ids
+async def completion_prompts(
+    info: ModelInfo, body: CompletionRequest
+) -> list[tuple[str, list[int]]]:
+    """Each prompt's text (for ``echo``) and token ids, in the batch's order."""
+    prompts: list[tuple[str, list[int]]] = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            ids = await _tokenize(
+                partial(info.tokenizer.encode, prompt), len(prompt), info, "prompt"
+            )
+            prompts.append((prompt, ids))
+        else:
+            prompts.append((info.tokenizer.decode(prompt) if body.echo else "", list(prompt)))
+    return prompts
 
 
 def context_exceeded(
@@ -83,13 +97,36 @@ def context_exceeded(
     return exc
 
 
-def guided_decoding(fmt: ResponseFormat | None) -> Grammar | None:
-    """``response_format`` as the engine's grammar."""
+def guided_decoding(body: ChatCompletionRequest | CompletionRequest) -> Grammar | None:
+    """``response_format``, ``regex`` or ``ebnf`` (the model allows one) as the engine's
+    grammar."""
+    if body.regex is not None:
+        return Grammar(kind="regex", spec=body.regex)
+    if body.ebnf is not None:
+        return Grammar(kind="ebnf", spec=body.ebnf)
+    fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
         return Grammar(kind="json_object")
     return Grammar(kind="json_schema", spec=json.dumps(fmt.json_schema.schema_))
+
+
+def logit_bias(
+    body: ChatCompletionRequest | CompletionRequest, info: ModelInfo
+) -> dict[int, float] | None:
+    """``logit_bias`` with token ids as numbers; an id outside the model's vocabulary (where
+    it is known) is refused."""
+    if not body.logit_bias:
+        return None
+    bias = {int(token): value for token, value in body.logit_bias.items()}
+    vocab = info.vocab_size
+    if vocab is not None and max(bias) >= vocab:
+        raise invalid(
+            f"token id {max(bias)} is outside the model's vocabulary ({vocab} tokens)",
+            "logit_bias",
+        )
+    return bias
 
 
 def build_request(
@@ -101,12 +138,16 @@ def build_request(
     param: str,
     guided: Grammar | None,
     logprobs: int | None = None,
+    *,
+    bias: dict[int, float] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> PreprocessedRequest:
     """The engine request; raises 400s for empty prompts and context overflows.
 
     ``max_tokens=None`` means the rest of the context. ``param`` names the prompt's field
     (``messages`` or ``prompt``) in errors. ``logprobs``: how many alternatives per token the
-    client wants with each token's logprob (``None``: no logprobs).
+    client wants with each token's logprob (``None``: no logprobs); ``prompt_logprobs`` the same
+    for the prompt's tokens.
     """
     n_prompt, ctx = len(prompt), info.context_length
     if n_prompt == 0:
@@ -138,9 +179,39 @@ def build_request(
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
+            logit_bias=bias,
             guided_decoding=guided,
         ),
         eos_token_ids=info.tokenizer.eos_token_ids,
         model=info.name,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+#: Spreads the seeds of a request's choices over the seed space (the golden ratio's odd 64-bit
+#: multiplier, as splitmix64 steps its state).
+_SEED_STEP = 0x9E3779B97F4A7C15
+
+
+def choice_requests(request: PreprocessedRequest, indexes: range) -> list[PreprocessedRequest]:
+    """The engine requests of the choices ``indexes`` over ``request``'s prompt: each its own
+    request ``<rid>-<index>``, which the engine's prefix cache lets share the prompt's KV.
+
+    A seed gives each choice a seed of its own, derived from it and the index, so the choices
+    differ and a rerun repeats them all; unseeded choices get a random seed of the request, so
+    that they differ on engines whose unseeded sampling is deterministic (the mock's).
+    """
+    seed = request.sampling_options.seed
+    if seed is None:
+        seed = secrets.randbits(63)
+    return [
+        msgspec.structs.replace(
+            request,
+            rid=f"{request.rid}-{index}",
+            sampling_options=msgspec.structs.replace(
+                request.sampling_options, seed=(seed + index * _SEED_STEP) % 2**64
+            ),
+        )
+        for index in indexes
+    ]

@@ -103,17 +103,24 @@ class Choice:
     With ``logprobs`` (the model's tokenizer, when the request asked for logprobs) it also
     collects each token's logprob, which :meth:`take_logprobs` hands out for the next frame sent:
     where the detokeniser or a stop string holds text back, a token's text and its logprob may
-    go out in different frames.
+    go out in different frames. With ``echo`` (the prompt's token ids) too, the prompt's tokens
+    and logprobs, from the first output, come first.
+
+    ``ranked`` sums the logprobs of the generated tokens in ``logprob_sum`` (``best_of`` picks
+    the choices of the highest), which the engine must then send.
     """
 
     __slots__ = (
         "_detok",
+        "_echo",
         "_logprobs",
         "_min_tokens",
         "_pending",
+        "_ranked",
         "_stop",
         "_stops",
         "completion_tokens",
+        "logprob_sum",
         "prompt_tokens",
         "usage",
     )
@@ -126,9 +133,14 @@ class Choice:
         stop: Sequence[str] = (),
         min_tokens: int = 0,
         logprobs: Tokenizer | None = None,
+        echo: Sequence[int] | None = None,
+        ranked: bool = False,
     ) -> None:
         self._detok = detokenizer
         self._logprobs = logprobs
+        self._echo = echo if logprobs is not None else None
+        self._ranked = ranked
+        self.logprob_sum = 0.0
         self._pending: list[TokenLogprob] = []
         self._stop = StopMatcher(stop)
         self._stops = any(stop)  # else feeding the matcher is a no-op: skipped per output
@@ -140,10 +152,12 @@ class Choice:
     def on_output(self, out: EngineOutput) -> tuple[str, str | None]:
         """Text to send for ``out`` and the finish reason if the choice is now complete."""
         text = ""
+        if self._echo is not None:
+            self._echo_prompt(out.prompt_logprobs)
         if out.token_ids:
             self.completion_tokens += len(out.token_ids)
-            if self._logprobs is not None and out.logprobs:
-                self._collect(out.token_ids, out.logprobs)
+            if out.logprobs is not None:
+                self._on_logprobs(out.token_ids, out.logprobs)
             text = self._detok.step(out.token_ids)
             # Like vLLM, stop strings count only once min_tokens were generated.
             if self._stops and self.completion_tokens >= self._min_tokens:
@@ -177,16 +191,32 @@ class Choice:
         taken, self._pending = self._pending, []
         return taken
 
-    def _collect(self, token_ids: Sequence[int], logprobs: Sequence[EngineLogprob]) -> None:
+    def _on_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[EngineLogprob]) -> None:
+        if self._ranked:
+            self.logprob_sum += sum(entry.logprob for entry in logprobs)
         tokenizer = self._logprobs
-        assert tokenizer is not None
+        if tokenizer is None:
+            return  # asked of the engine for ranking only
         for token_id, entry in zip(token_ids, logprobs, strict=False):
-            top: list[TopLogprob] = []
-            for alt, logprob in zip(entry.top_ids, entry.top_logprobs, strict=False):
-                alt_token, alt_bytes = _token(tokenizer, alt)
-                top.append(TopLogprob(alt_token, max(logprob, _LOGPROB_FLOOR), alt_bytes))
             token, data = _token(tokenizer, token_id)
-            self._pending.append(TokenLogprob(token, max(entry.logprob, _LOGPROB_FLOOR), data, top))
+            self._pending.append(_entry(tokenizer, token, data, entry))
+
+    def _echo_prompt(self, logprobs: Sequence[EngineLogprob] | None) -> None:
+        """The echoed prompt's tokens and logprobs (the first has none), before any other."""
+        prompt, tokenizer = self._echo, self._logprobs
+        assert prompt is not None and tokenizer is not None
+        self._echo = None
+        logprobs = logprobs or ()
+        if len(logprobs) != len(prompt) - 1:
+            raise EngineFailure("the engine sent no logprobs of the prompt's tokens")
+        for i, token_id in enumerate(prompt):
+            token, data = _token(tokenizer, token_id)
+            if _special(tokenizer, token_id, data):
+                data = []  # takes no room in the echoed text (see TokenLogprob)
+            if i == 0:
+                self._pending.append(TokenLogprob(token, None, data, []))
+            else:
+                self._pending.append(_entry(tokenizer, token, data, logprobs[i - 1]))
 
     def final_usage(self) -> Usage:
         """The engine's usage when it sent one, else the frontend's own count."""
@@ -198,6 +228,25 @@ class Choice:
             completion_tokens=self.completion_tokens,
             cached_tokens=cached,
         )
+
+
+def _entry(tokenizer: Tokenizer, token: str, data: list[int], entry: EngineLogprob) -> TokenLogprob:
+    """A token's logprob and its alternatives, as the client sees them."""
+    top: list[TopLogprob] = []
+    for alt, logprob in zip(entry.top_ids, entry.top_logprobs, strict=False):
+        alt_token, alt_bytes = _token(tokenizer, alt)
+        top.append(TopLogprob(alt_token, max(logprob, _LOGPROB_FLOOR), alt_bytes))
+    return TokenLogprob(token, max(entry.logprob, _LOGPROB_FLOOR), data, top)
+
+
+def _special(tokenizer: Tokenizer, token_id: int, data: list[int]) -> bool:
+    """Whether a prompt token is a special one (BOS and friends), which decoding skips: whole
+    characters on its own, yet no text."""
+    try:
+        bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        return False  # part of a character, which decodes to text with its neighbours
+    return bool(data) and not tokenizer.decode([token_id])
 
 
 def _token(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:

@@ -1,4 +1,4 @@
-"""Helpers around the backend's output iterator and the client's connection."""
+"""Helpers around the backend's output iterators and the client's connection."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from protocols.errors import StreamIncomplete
 __all__ = [
     "CLOSE_TIMEOUT_S",
     "STREAM_ENDED",
+    "FrameQueue",
     "aclose_quietly",
     "next_output",
     "ready_output",
@@ -109,3 +110,40 @@ def ready_output(outputs: AsyncIterator[EngineOutput]) -> Callable[[], EngineOut
     :class:`~actors.serving.frontend.Backend`)."""
     poll: Callable[[], EngineOutput | None] | None = getattr(outputs, "next_nowait", None)
     return poll if poll is not None else _nothing_ready
+
+
+class FrameQueue:
+    """Where the choices of a request with several put their frames, and its one writer takes
+    them: the writer's task alone writes to the client, so failing or cancelling a choice's task
+    never cuts a write in half."""
+
+    __slots__ = ("_frames", "_wake", "closed")
+
+    def __init__(self) -> None:
+        self._frames: list[bytes] = []
+        self._wake: anyio.Event | None = None
+        self.closed = False
+
+    async def put(self, frames: bytes) -> None:
+        """Queue ``frames`` (the signature of a writer's ``send``; it never waits)."""
+        self._frames.append(frames)
+        self._notify()
+
+    def close(self) -> None:
+        """No more frames come."""
+        self.closed = True
+        self._notify()
+
+    async def take(self) -> bytes:
+        """Every frame queued, once there is one or the queue is closed (then maybe none)."""
+        while not self._frames and not self.closed:
+            wake = self._wake = anyio.Event()
+            await wake.wait()
+        taken = b"".join(self._frames)
+        self._frames.clear()
+        return taken
+
+    def _notify(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            wake.set()

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from protocols import byte_vocab
 from protocols.errors import InvalidRequest
 
 __all__ = ["ByteTokenizer", "Detokenizer", "HFTokenizer", "Tokenizer"]
@@ -68,8 +69,19 @@ class Tokenizer(Protocol):
         """Text of ``token_ids``, special tokens skipped; never fails on unknown ids."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of the conversation, ending with the assistant's generation prompt."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes ``tools`` and assistants' ``tool_calls`` itself;
+        else the frontend writes them into the messages (see ``_parsers._prompt``)."""
+        ...
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of the conversation, ending with the assistant's generation prompt;
+        ``tools`` (OpenAI's JSON form) go to a template that :attr:`renders_tools`."""
         ...
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
@@ -83,10 +95,6 @@ class Tokenizer(Protocol):
 
 # --- the built-in byte-level tokenizer ---------------------------------------------------------
 
-_CONSONANTS = "bdfghjklmnprstvz"
-_VOWELS = "aeiou"
-_SYLLABLES = tuple(c + v for c in _CONSONANTS for v in _VOWELS)
-
 
 class ByteTokenizer:
     """Byte-level tokenizer for the mock engine.
@@ -96,10 +104,10 @@ class ByteTokenizer:
     by the id, with a space before every third one, so mock output reads like words.
     """
 
-    BOS = 256
-    EOS = 257
+    BOS = byte_vocab.BOS
+    EOS = byte_vocab.EOS
     #: Ids below this are bytes or special; ids from here on are syllables.
-    FIRST_WORD_ID = 258
+    FIRST_WORD_ID = byte_vocab.FIRST_WORD_ID
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -121,7 +129,15 @@ class ByteTokenizer:
         detok = _ByteDetokenizer()
         return detok.step(token_ids) + detok.flush()
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        return False  # its plain-text template gets tools and calls written into the messages
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         # A ChatML-like plain-text template: roles and separators are ordinary bytes, so the
         # mock engine needs no extra special ids.
         parts = [
@@ -135,20 +151,10 @@ class ByteTokenizer:
         return _ByteDetokenizer()
 
     def token_bytes(self, token_id: int) -> bytes:
-        if 0 <= token_id < 256:
-            return bytes((token_id,))
-        if token_id == self.BOS:
-            return b"<bos>"
-        if token_id == self.EOS:
-            return b"<eos>"
-        return _word(token_id).encode()
+        return byte_vocab.token_text(token_id)
 
 
-@functools.lru_cache(maxsize=1 << 16)  # the mock's vocabulary fits: one lookup per token
-def _word(token_id: int) -> str:
-    n = token_id - ByteTokenizer.FIRST_WORD_ID
-    syllable = _SYLLABLES[n % len(_SYLLABLES)]
-    return " " + syllable if (n // len(_SYLLABLES)) % 3 == 0 else syllable
+_word = byte_vocab.word
 
 
 class _ByteDetokenizer:
@@ -240,6 +246,7 @@ class HFTokenizer:
             eos_token_ids = [] if eos is None else [int(eos)]
         self._eos = list(eos_token_ids)
         self._max_token_chars: int | None = None
+        self._renders_tools: bool | None = None
 
     @classmethod
     def from_pretrained(
@@ -272,12 +279,26 @@ class HFTokenizer:
         detok = self.detokenizer(())
         return detok.step(token_ids) + detok.flush()
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        if self._renders_tools is None:
+            # A template that never mentions tools would drop them silently (SmolLM2's does).
+            template = getattr(self._tok, "chat_template", None)
+            sources = template.values() if isinstance(template, dict) else [template or ""]
+            self._renders_tools = any("tools" in str(t) for t in sources)
+        return self._renders_tools
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         import jinja2
 
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         try:
             text = self._tok.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False
+                list(messages), add_generation_prompt=True, tokenize=False, **extra
             )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             # Templates reject conversations they cannot render (roles out of order, ...):

@@ -1,5 +1,8 @@
-"""What a migration sends the next worker: the continuation of a request, and when there may
-be none."""
+"""What a migration sends the next worker: the continuation of a request.
+
+Every request can be continued: the continuation says how many of its tokens earlier attempts
+generated (``generated``), over which the engines replay its grammar and count its penalties;
+one request is one choice, so ``n > 1`` migrates choice by choice."""
 
 from __future__ import annotations
 
@@ -7,14 +10,7 @@ import msgspec
 
 from protocols.engine import BootstrapInfo, PreprocessedRequest, StopConditions
 
-__all__ = ["continuation", "refuse_migration"]
-
-
-def refuse_migration(request: PreprocessedRequest) -> str | None:
-    """Why ``request`` cannot be migrated (its state would not carry over), or ``None``."""
-    if request.sampling_options.guided_decoding:
-        return "guided decoding: the grammar state would restart"
-    return None
+__all__ = ["continuation"]
 
 
 def continuation(

@@ -120,4 +120,7 @@ class PrefillFirstAttempt(Attempt):
         # The prefill's finish (it ran one step) and bootstrap triple are its own, not the
         # client's: the decode's outputs say how the request goes on and ends.
         logprobs = None if output.logprobs is None else output.logprobs[:1]
-        return super().accept(EngineOutput(token_ids=[token], logprobs=logprobs))
+        first = EngineOutput(
+            token_ids=[token], logprobs=logprobs, prompt_logprobs=output.prompt_logprobs
+        )
+        return super().accept(first)

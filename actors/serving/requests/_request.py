@@ -33,7 +33,7 @@ import structlog
 
 from actors import Actor, ActorError, ReplyError, ReplyStream
 from actors.serving.requests._attempt import Attempt, Handover, Prepare, Progress
-from actors.serving.requests._continuation import continuation, refuse_migration
+from actors.serving.requests._continuation import continuation
 from actors.serving.requests._metrics import (
     CANCELLATIONS,
     FALLBACKS,
@@ -164,7 +164,7 @@ class RequestStream(Actor):
         if self._ended or progress is None or self._prepared is not None:
             return
         original = progress.original
-        if self._migrations_left <= 0 or refuse_migration(original) is not None:
+        if self._migrations_left <= 0:
             return
         n = self.options.migration_limit - self._migrations_left + 1
         request = continuation(original, generated, f"{original.rid}-m{n}", offer.bootstrap)
@@ -290,15 +290,11 @@ class RequestStream(Actor):
             self._release(offer)
         if not error.migratable:
             raise error from None
-        refusal = refuse_migration(original)
-        if refusal or self._migrations_left <= 0:
+        if self._migrations_left <= 0:
             if progress.failed_at is not None:
                 MIGRATION_SECONDS.labels(opts.model, progress.migration_type, "failure").observe(
                     time.monotonic() - progress.failed_at
                 )
-            if refusal:
-                _log.info("migration refused", rid=original.rid, reason=refusal)
-                raise error from None
             raise MigrationExhausted(f"{error.code}: {error.message}") from None
         self._migrations_left -= 1
         progress.migration_type = "ongoing_request" if generated else "new_request"
@@ -341,7 +337,8 @@ class RequestStream(Actor):
         """Route here, from the routing view (it lives on this event loop: no hop to another
         actor; ``RoutingTable.take`` counts the request in flight there)."""
         entry = self.table.take(role, self.options.router, request.token_ids, exclude)
-        return Routed(entry.id, entry.engine, entry.capacity.bootstrap)
+        capacity = entry.capacity
+        return Routed(entry.id, entry.engine, capacity.bootstrap, capacity.prefills_alone)
 
     async def _route(
         self, role: Role, request: PreprocessedRequest, deadline: float, *, retrying: bool
@@ -373,13 +370,22 @@ class RequestStream(Actor):
         fresh room and return the decode side's routing and request (sent by the caller at once:
         both start together, as in SGLang's bootstrap protocol), with the prefill if its first
         token is the client's. With no prefill worker routable, decode serves the request alone
-        (Dynamo's decode-only fallback)."""
+        (Dynamo's decode-only fallback) where its engine can; else the request waits for a
+        prefill worker as it would for a decode worker."""
         decode = await self._route("decode", request, deadline, retrying=retrying)
         try:
             routed = self._take("prefill", request, ())
         except NoWorkerAvailable:
-            FALLBACKS.labels(self.options.model).inc()
-            return decode, msgspec.structs.replace(request, bootstrap_info=None), None
+            if decode.prefills_alone:
+                FALLBACKS.labels(self.options.model).inc()
+                return decode, msgspec.structs.replace(request, bootstrap_info=None), None
+            self._done(decode)
+            routed = await self._route("prefill", request, deadline, retrying=retrying)
+            try:
+                decode = await self._route("decode", request, deadline, retrying=retrying)
+            except BaseException:
+                self._done(routed)
+                raise
         if routed.bootstrap is None:
             self._done(routed)
             self._done(decode)

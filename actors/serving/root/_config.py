@@ -9,6 +9,7 @@ from typing import Any, Literal
 import attrs
 import cattrs
 
+from actors.serving.frontend import check_parser_names
 from actors.serving.worker import BACKENDS, BackendName, engine_backend
 
 __all__ = ["DEFAULT_MODEL_NAMES", "ServeConfig", "load_config"]
@@ -58,6 +59,9 @@ class ServeConfig:
     memory_release: bool = False
     # SGLang: publish KV events (None: when the router is kv_aware, which routes by them).
     kv_events: bool | None = None
+    # How chat answers are read for tool calls and for reasoning (SGLang's and vLLM's names).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.model:
@@ -71,6 +75,7 @@ class ServeConfig:
             raise ValueError("migration_limit must be >= 0")
         if self.quarantine_cooldown < 0:
             raise ValueError("quarantine_cooldown must be >= 0")
+        check_parser_names(self.tool_call_parser, self.reasoning_parser)
 
     def default_model(self) -> str:
         """The served model's name when none is configured: the backend's, from the args."""
@@ -92,6 +97,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConf
         else:
             data = tomllib.loads(text)
     data.update({k: v for k, v in overrides.items() if v is not None})
+    # Checked before structuring: cattrs would hide the message listing the known names.
+    tool, reasoning = data.get("tool_call_parser"), data.get("reasoning_parser")
+    check_parser_names(
+        tool if isinstance(tool, str) else None, reasoning if isinstance(reasoning, str) else None
+    )
     try:
         return _converter.structure(data, ServeConfig)
     except cattrs.BaseValidationError as exc:

@@ -97,6 +97,10 @@ class Serving:
         whole step."""
         return max(1, len(os.sched_getaffinity(0)) // max(1, len(self.roles)))
 
+    def vocab_size(self) -> int | None:
+        """How many token ids the model's engines have, where the model folder says."""
+        return None if self.model_dir is None else _vocab_size(self.model_dir)
+
     def context_length(self) -> int:
         configured = self.config.engine_args.get("context_length")
         if self.model_dir is not None:
@@ -104,6 +108,15 @@ class Serving:
             model = _max_positions(self.model_dir)
             return min(model, int(configured)) if configured is not None else model
         return int(configured if configured is not None else 32768)
+
+
+def _vocab_size(folder: Path) -> int | None:
+    """``vocab_size`` (the rows of the model's logits) from a transformers folder's
+    ``config.json``, if it says."""
+    try:
+        return int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _max_positions(folder: Path) -> int:
@@ -127,7 +140,14 @@ class Frontend(Actor):
         streams = current_registry().whereis(serving.streams_name)
         if streams is None:
             raise LookupError(f"no {serving.streams_name!r} supervisor")
-        model = ModelInfo(cfg.model, serving.context_length(), serving.tokenizer)
+        model = ModelInfo(
+            cfg.model,
+            serving.context_length(),
+            serving.tokenizer,
+            tool_call_parser=cfg.tool_call_parser,
+            reasoning_parser=cfg.reasoning_parser,
+            vocab_size=serving.vocab_size(),
+        )
         service = ModelService(
             model,
             SupervisorRef(streams),

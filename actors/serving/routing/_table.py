@@ -36,6 +36,7 @@ class Routed:
     worker_id: str
     engine: ActorRef[Any]
     bootstrap: BootstrapInfo | None = None  # a prefill worker's KV bootstrap endpoint
+    prefills_alone: bool = True  # a decode worker that may serve a request without a prefill
 
 
 @attrs.define(eq=False)

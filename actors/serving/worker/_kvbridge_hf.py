@@ -106,6 +106,7 @@ class HFTransfer:
                 usage=kv.usage,
                 disaggregated_params=request.bootstrap_info,
                 logprobs=kv.first_logprobs,
+                prompt_logprobs=kv.prompt_logprobs,
             )
             await room.send(stage, aux=pack_first_token(kv.first_token))
         finally:

@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import gc
+import threading
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
@@ -43,6 +44,7 @@ from protocols.errors import (
     RequestError,
 )
 
+from .._grammar import Vocabulary
 from ._attention import register_paged_attention
 from ._batch import BatchCore, Delivery, Seq
 from ._kv import KVBuffer, KVLayout, PagePool
@@ -84,6 +86,8 @@ class HFEngine:
         self._closing = False
         self._cleaned: anyio.Event | None = None
         self._quiet: anyio.Event | None = None  # set when the last live request lets go
+        self._vocab: Vocabulary | None = None
+        self._vocab_lock = threading.Lock()
 
     # ---- public properties ---------------------------------------------------------------
     @property
@@ -155,6 +159,7 @@ class HFEngine:
                 _ids(mc.eos_token_id) | _ids(model.generation_config.eos_token_id)
             ),
             device=self._device,
+            vocabulary=self._vocabulary,
         )
         self._capacity = Capacity(
             total_kv_blocks=pool.num_pages,
@@ -171,6 +176,19 @@ class HFEngine:
         )
         self._snapshot(core)
         return core
+
+    def _vocabulary(self) -> Vocabulary:
+        """The tokenizer as the grammar engine sees it, made on the first grammar's admission
+        (most engines never see one) and kept."""
+        with self._vocab_lock:
+            if self._vocab is None:
+                assert self._folder is not None and self._limits is not None
+                self._vocab = Vocabulary.from_tokenizer_file(
+                    self._folder / "tokenizer.json",
+                    size=self._limits.vocab_size,
+                    eos_token_ids=sorted(self._limits.eos_token_ids),
+                )
+            return self._vocab
 
     def _load_weights(self) -> Any:
         assert self._folder is not None
@@ -244,6 +262,7 @@ class HFEngine:
             tuple(ids),
             final.usage,
             final.logprobs,
+            final.prompt_logprobs,
         )
 
     def generate_from_kv(
@@ -262,6 +281,7 @@ class HFEngine:
         sampled one) recomputes its prompt here instead, leaving the pages untouched.
         """
         seq = self._make_seq(request)
+        seq.prompt_logprobs = None  # the prefill worker's first output carried them
         assert self._limits is not None
         if not 0 <= first_token < self._limits.vocab_size:
             raise InvalidRequest(f"first token {first_token} is outside the vocabulary")
@@ -273,6 +293,13 @@ class HFEngine:
         n_pages = self.kv_layout.pages_needed(len(seq.prompt))
         ids = list(range(n_pages)) if page_ids is None else [int(i) for i in page_ids]
         seq.kv_in, seq.kv_in_ids = self._page_view(pages, ids, n_pages), ids
+        grammar = seq.grammar
+        if (
+            grammar is not None
+            and first_token not in seq.stop_ids
+            and not grammar.accept(first_token)
+        ):
+            raise InvalidRequest(f"first token {first_token} does not follow the grammar")
         seq.output.append(first_token)
         return self._run(seq)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -11,9 +12,10 @@ import torch
 from protocols.engine import EngineOutput, PreprocessedRequest
 from protocols.errors import ContextLengthExceeded, InvalidRequest, RequestError
 
+from .._grammar import Vocabulary, generated_tail
 from ._batch import Seq
 from ._kv import KVLayout
-from ._sampling import SamplingParams
+from ._sampling import LogitBias, SamplingParams
 
 __all__ = ["Limits", "RequestStream", "build_seq"]
 
@@ -28,6 +30,7 @@ class Limits:
     vocab_size: int
     eos_token_ids: frozenset[int]  # the model's own
     device: torch.device
+    vocabulary: Callable[[], Vocabulary]  # the tokenizer's, for grammars (made on first use)
 
 
 def build_seq(request: PreprocessedRequest, limits: Limits) -> Seq:
@@ -38,8 +41,16 @@ def build_seq(request: PreprocessedRequest, limits: Limits) -> Seq:
     if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
         raise InvalidRequest("a prompt token id is outside the vocabulary")
     opts = request.sampling_options
+    if not 0 <= request.generated < len(prompt):
+        raise InvalidRequest("generated must count tokens of token_ids after the first")
+    bias = None
+    if opts.logit_bias:
+        if min(opts.logit_bias) < 0 or max(opts.logit_bias) >= limits.vocab_size:
+            raise InvalidRequest("a logit_bias token id is outside the vocabulary")
+        bias = LogitBias.from_options(opts.logit_bias)
+    grammar = None
     if opts.guided_decoding is not None:
-        raise InvalidRequest("the hf engine serves no guided decoding")
+        grammar = limits.vocabulary().matcher(opts.guided_decoding, generated_tail(request))
     stop = request.stop_conditions
     context = limits.context_length
     room = context - len(prompt)
@@ -64,6 +75,10 @@ def build_seq(request: PreprocessedRequest, limits: Limits) -> Seq:
         stop_ids=frozenset(eos | set(stop.stop_token_ids or ())),
         generator=torch.Generator(device=limits.device),
         logprobs=request.logprobs,
+        prior=request.generated,
+        grammar=grammar,
+        bias=bias,
+        prompt_logprobs=request.prompt_logprobs,
     )
 
 

@@ -17,7 +17,7 @@ import torch
 
 from protocols.engine import SamplingOptions, TokenLogprob
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["LogitBias", "SamplingParams", "prompt_logprobs", "sample"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -72,10 +72,25 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class LogitBias:
+    """A request's ``logit_bias`` as tensors: added to the logits of ``ids``."""
+
+    ids: torch.Tensor  # long
+    values: torch.Tensor  # float32
+
+    @classmethod
+    def from_options(cls, bias: dict[int, float]) -> LogitBias:
+        ids = sorted(bias)
+        return cls(
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor([float(bias[i]) for i in ids], dtype=torch.float32),
+        )
+
+
 def _apply_penalties(
     logits: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
 ) -> torch.Tensor:
-    logits = logits.clone()
     vocab = logits.shape[-1]
     if p.repetition_penalty != 1.0:  # transformers' rule, over prompt and output
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
@@ -100,19 +115,28 @@ def sample(
     banned: Sequence[int],
     generator: torch.Generator,
     logprobs: int | None = None,
+    bias: LogitBias | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[int, TokenLogprob | None]:
     """Pick the next token from one request's fp32 ``logits`` (shape ``(vocab,)``), with its
     logprob and the ``logprobs`` most likely tokens' when asked (``None``: not).
 
-    ``banned`` tokens get no probability (stop tokens before ``min_tokens``). The logprobs are
-    those of the distribution the token is drawn from (as OpenAI and vLLM report): after the
-    penalties, the temperature and the top-k, top-p and min-p cuts (greedy: before the
-    temperature, which argmax ignores).
+    ``prompt`` and ``output`` are the tokens before (the penalties count ``output``'s; the
+    position drawn is their total length). ``bias`` is added to the logits after the
+    penalties; only ``allowed`` tokens (a bool mask: a grammar's) may be drawn; ``banned``
+    tokens get no probability (stop tokens before ``min_tokens``). The logprobs are those of
+    the distribution the token is drawn from (as OpenAI and vLLM report): after the penalties,
+    the bias, the mask, the temperature and the top-k, top-p and min-p cuts (greedy: before
+    the temperature, which argmax ignores).
     """
+    logits = logits.clone()  # every change below is in place, on this request's row only
     if params.penalised:
         logits = _apply_penalties(logits, params, prompt, output)
+    if bias is not None:
+        logits.index_add_(0, bias.ids.to(logits.device), bias.values.to(logits.device))
+    if allowed is not None:
+        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
     if banned:
-        logits = logits.clone() if not params.penalised else logits
         logits[list(banned)] = float("-inf")
     if params.greedy:
         token = int(torch.argmax(logits))
@@ -141,3 +165,10 @@ def _logprob(logp: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """``token``'s entry of the log-distribution ``logp``, with its ``top`` most likely."""
     values, ids = torch.topk(logp, top)
     return TokenLogprob(float(logp[token]), ids.tolist(), values.tolist())
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:
+    """The logprobs of ``targets`` under the model's own distributions ``logits`` (one row
+    each: the logits at the position before the target), with the ``top`` most likely."""
+    logp = torch.log_softmax(logits, dim=-1)
+    return [_logprob(row, token, top) for row, token in zip(logp, targets, strict=True)]

@@ -117,3 +117,4 @@ class PrefilledKV:
     page_ids: tuple[int, ...]
     usage: Usage
     first_logprobs: list[TokenLogprob] | None = None  # the first token's, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's, when asked for

@@ -4,9 +4,10 @@ While a request decodes, its counters live in per-slot numpy arrays (token hash,
 generated, token budget, KV length, KV capacity) and its new tokens in a per-slot ring. Slots are
 handed out lowest first, so the active ones crowd into ``[0, hi)`` and a decode step is ~35 numpy
 operations on those views for the whole batch; Python touches a request only on a rare event (a
-stop/EOS candidate, a filled page, a block to allocate, the end). ``sync`` moves ring tokens into
-``req.seq`` and the counters into the request on demand (a reader, a page fill, the end), so
-``MockRequest`` is exact whenever anyone outside this module looks at it.
+stop/EOS candidate, a filled page, a block to allocate, the end), or at every step when its
+tokens are steered (a grammar, logit_bias, penalties: see ``_steer``). ``sync`` moves ring
+tokens into ``req.seq`` and the counters into the request on demand (a reader, a page fill, the
+end), so ``MockRequest`` is exact whenever anyone outside this module looks at it.
 
 A step in flight (timed mode) covers the slots active when it was planned: a request that leaves
 meanwhile is marked inactive (its slot's arrays are still written, harmlessly: the next owner
@@ -26,7 +27,7 @@ from protocols.engine import FinishReason
 
 __all__ = ["DecodeBatch", "StepEvents"]
 
-Decide = Callable[[MockRequest, int, bool, int], tuple[int, FinishReason | None]]
+Decide = Callable[[MockRequest, int, bool, int, int], tuple[int, FinishReason | None]]
 
 # What a committed step asks the scheduler to do, Python-side: pages to register (req, kv before,
 # kv after), requests to finish, requests whose last block is full.
@@ -46,6 +47,7 @@ class DecodeBatch:
         self.hi = 0  # every active slot is below this
         self._by_slot: list[MockRequest | None] = [None] * slots
         self._active = np.zeros(slots, dtype=np.bool_)
+        self._steered = np.zeros(slots, dtype=np.bool_)  # chooses its tokens in Python each step
         self._h = np.zeros(slots, dtype=np.uint64)
         self._seed = np.zeros(slots, dtype=np.uint64)
         self._ngen = np.zeros(slots, dtype=np.int64)
@@ -82,6 +84,7 @@ class DecodeBatch:
         self._kv[s] = req.kv_len
         self._cap[s] = len(req.blocks) * self.block_size
         self._active[s] = True
+        self._steered[s] = req.steer is not None
         self._by_slot[s] = req
         self._count_stops(req, 1)
         self.size += 1
@@ -138,6 +141,7 @@ class DecodeBatch:
         self.sync(req)
         s = req.slot
         self._active[s] = False
+        self._steered[s] = False
         self._by_slot[s] = None
         self._count_stops(req, -1)
         self.size -= 1
@@ -153,6 +157,7 @@ class DecodeBatch:
         cand = self._stops[regular] > 0
         if eos is not None:
             cand |= eos
+        cand |= self._steered[:hi]
         cand &= active
         finished: list[tuple[MockRequest, FinishReason]] = []
         by_slot = self._by_slot
@@ -161,7 +166,7 @@ class DecodeBatch:
                 req = by_slot[i]
                 assert req is not None
                 flag = bool(eos[i]) if eos is not None else False
-                token, reason = self._decide(req, int(regular[i]), flag, int(ngen[i]))
+                token, reason = self._decide(req, int(regular[i]), flag, int(ngen[i]), int(h[i]))
                 regular[i] = token
                 if reason is not None:
                     finished.append((req, reason))

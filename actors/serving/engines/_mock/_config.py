@@ -114,6 +114,9 @@ class MockEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 0
     transfer_timeout_s: float = 300.0  # SGLang's bootstrap timeout
+    # Whether a decode engine serves a request that brings no bootstrap (computing its prompt's
+    # KV itself); False stands in for SGLang's decode mode, which cannot.
+    prefills_alone: bool = True
     # Diagnostics
     record_steps: bool = False
     # Fault injection (scenarios): a file holding a count; while it is > 0, ``start`` decrements

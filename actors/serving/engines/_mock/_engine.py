@@ -16,6 +16,7 @@ import anyio.abc
 import anyio.to_thread
 import msgspec
 
+from actors.serving.engines._grammar import generated_tail
 from actors.serving.engines._mock._config import (
     FAKE_BOOTSTRAP_HOST,
     EngineRole,
@@ -31,6 +32,7 @@ from actors.serving.engines._mock._publish import KvEventPublisher, MetricsPubli
 from actors.serving.engines._mock._request import EngineStream, MockRequest, Phase
 from actors.serving.engines._mock._scheduler import RankScheduler
 from actors.serving.engines._mock._stats import IntrospectionMixin
+from actors.serving.engines._mock._steer import Steering, mock_vocabulary
 from actors.serving.engines._mock._tokens import TokenModel
 from actors.serving.engines._mock._transfer import TransferMixin
 from actors.serving.errors import MockEngineBusy
@@ -176,6 +178,7 @@ class MockEngine(TransferMixin, IntrospectionMixin):
                 p.replay_endpoint for p in self._event_pubs if p.replay_endpoint is not None
             ),
             metrics_endpoint=self._metrics_pub.endpoint if self._metrics_pub else None,
+            prefills_alone=cfg.prefills_alone,
         )
         return self._capacity
 
@@ -272,6 +275,8 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         greedy = so.temperature == 0.0 or so.top_k == 1
         seed = so.seed if so.seed is not None else cfg.default_seed
         bootstrap = request.bootstrap_info
+        if bootstrap is None and cfg.role == "decode" and not cfg.prefills_alone:
+            raise InvalidRequest("a decode worker needs the request's bootstrap_info")
         if bootstrap is not None and (
             bootstrap.host == FAKE_BOOTSTRAP_HOST or cfg.role == "aggregated"
         ):
@@ -285,6 +290,10 @@ class MockEngine(TransferMixin, IntrospectionMixin):
             seed_word=self._tokens.seed_word(seed, greedy),
             bootstrap=bootstrap,
         )
+        if bootstrap is not None and cfg.role == "decode":
+            req.prompt_logprobs_due = False  # the prefill worker computed the prompt: its own
+        if Steering.wanted(request):
+            req.steer = self._steering(request, req.stop)
         sched = self._ranks[rank]
         if bootstrap is not None:
             req.transfer_ready = anyio.Event()
@@ -294,6 +303,22 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         if req.phase is Phase.WAITING:
             sched.submit(req)
         return req
+
+    def _steering(self, request: PreprocessedRequest, stop: frozenset[int]) -> Steering:
+        """How ``request`` chooses its tokens (InvalidRequest for a grammar that is not one)."""
+        cfg = self.config
+        grammar = request.sampling_options.guided_decoding
+        matcher = None
+        if grammar is not None:
+            vocab = mock_vocabulary(cfg.vocab_size, cfg.eos_token_id)
+            matcher = vocab.matcher(grammar, generated_tail(request))
+        return Steering(
+            request,
+            vocab_size=cfg.vocab_size,
+            eos_token_id=cfg.eos_token_id,
+            stop=stop,
+            matcher=matcher,
+        )
 
     def _pick_rank(self, request: PreprocessedRequest) -> int:
         hint = request.routing.dp_rank if request.routing is not None else None

@@ -8,7 +8,7 @@ several tokens at once (SGLang's incremental streaming) instead of one wake-up p
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Protocol, Self
+from typing import TYPE_CHECKING, NamedTuple, Protocol, Self
 
 import anyio
 
@@ -23,6 +23,9 @@ from protocols.engine import (
 from protocols.errors import RequestError
 
 from ._tokens import TokenModel
+
+if TYPE_CHECKING:
+    from ._steer import Steering
 
 __all__ = ["EngineStream", "ExpectedKV", "MockRequest", "Phase", "StreamHost"]
 
@@ -66,12 +69,14 @@ class MockRequest:
         "offer",
         "phase",
         "prompt_len",
+        "prompt_logprobs_due",
         "rank",
         "request",
         "rid",
         "seed_word",
         "seq",
         "slot",
+        "steer",
         "stop",
         "transfer_ready",
         "waiter",
@@ -94,6 +99,9 @@ class MockRequest:
         self.rank = rank
         self.seq: list[int] = list(request.token_ids)
         self.prompt_len = len(self.seq)
+        # The engine computed the prompt (no KV received for it): its first output carries the
+        # prompt's logprobs when asked for.
+        self.prompt_logprobs_due = request.prompt_logprobs is not None
         self.max_new = max_new
         self.min_new = min_new
         self.stop = stop
@@ -105,6 +113,7 @@ class MockRequest:
         self.blocks: list[int] = []
         self.hashes: list[int] = []  # chained hashes of the full pages of ``seq`` computed so far
         self.slot = -1
+        self.steer: Steering | None = None  # a grammar, logit_bias or penalties choose tokens
         self.cached_tokens = 0
         self.was_admitted = False
         self.delivered = len(self.seq)  # seq[:delivered] is prompt or handed to the stream
@@ -197,23 +206,27 @@ class EngineStream:
             await host.park(req).wait()
             host.sync(req)
         if req.offer is not None:
-            return _offer(req, req.offer, host.tokens)
+            return _with_prompt_logprobs(req, _offer(req, req.offer, host.tokens), host.tokens)
         tokens, logprobs = _deliver(req, host.tokens)
         if req.error is not None:
             if tokens:
-                return EngineOutput(token_ids=tokens, logprobs=logprobs)
+                return _with_prompt_logprobs(
+                    req, EngineOutput(token_ids=tokens, logprobs=logprobs), host.tokens
+                )
             self._closed = True
             raise req.error
         if req.finish_reason is None:
-            return EngineOutput(token_ids=tokens, logprobs=logprobs)
+            out = EngineOutput(token_ids=tokens, logprobs=logprobs)
+            return _with_prompt_logprobs(req, out, host.tokens)
         self._closed = True
-        return EngineOutput(
+        out = EngineOutput(
             token_ids=tokens,
             finish_reason=req.finish_reason,
             usage=req.usage(),
             disaggregated_params=req.disagg_params,
             logprobs=logprobs,
         )
+        return _with_prompt_logprobs(req, out, host.tokens)
 
     async def aclose(self) -> None:
         """Stop reading; aborts the request if it has not finished."""
@@ -236,6 +249,15 @@ def _deliver(req: MockRequest, model: TokenModel) -> tuple[list[int], list[Token
     req.delivered += len(tokens)
     top = req.request.logprobs
     return tokens, None if top is None else model.logprobs(tokens, start, top)
+
+
+def _with_prompt_logprobs(req: MockRequest, out: EngineOutput, model: TokenModel) -> EngineOutput:
+    """``out``, with the prompt's logprobs if it is the first output and they are due."""
+    if req.prompt_logprobs_due:
+        req.prompt_logprobs_due = False
+        top = req.request.prompt_logprobs or 0
+        out.prompt_logprobs = model.logprobs(req.request.token_ids[1:], 1, top)
+    return out
 
 
 def _offer(req: MockRequest, offer: tuple[BootstrapInfo, int], model: TokenModel) -> EngineOutput:

@@ -29,6 +29,7 @@ from actors.serving.engines._mock._pool import BlockPool
 from actors.serving.engines._mock._publish import KvEventPublisher
 from actors.serving.engines._mock._received import ReceivedPages
 from actors.serving.engines._mock._request import MockRequest, Phase
+from actors.serving.engines._mock._steer import Steering
 from actors.serving.engines._mock._tokens import TokenModel
 from protocols.engine import FinishReason, PauseMode
 from protocols.errors import RequestError
@@ -223,17 +224,29 @@ class RankScheduler(LoopMixin):
             self.prefilling = [r for r in self.prefilling if r.phase is Phase.PREFILL]
 
     def decide(
-        self, req: MockRequest, regular: int, eos: bool, ngen: int
+        self, req: MockRequest, regular: int, eos: bool, ngen: int, h: int
     ) -> tuple[int, FinishReason | None]:
-        """The token ``req`` produces after ``ngen`` tokens given the model's candidates, and
-        whether it stops there."""
+        """The token ``req`` produces after ``ngen`` tokens given the model's candidates (for a
+        sequence of hash ``h``), and whether it stops there."""
         suppress = ngen < req.min_new  # min_tokens: no stop token before that many
         token = self.tokens.eos_token_id if eos and not suppress else regular
+        if req.steer is not None:
+            return self._steered(req, req.steer, token, suppress, h)
         if token in req.stop:
             if not suppress:
                 return token, "stop"
             token = self.tokens.alternative(token, req.stop)
         return token, None
+
+    def _steered(
+        self, req: MockRequest, steer: Steering, natural: int, suppress: bool, h: int
+    ) -> tuple[int, FinishReason | None]:
+        token = steer.choose(h, req.seed_word, natural, req.stop if suppress else frozenset())
+        if token < 0:  # nothing left to choose from: the request ends as the model stopped
+            return steer.eos_token_id, "stop"
+        stops = token in req.stop and not suppress
+        steer.accept(token, stops)
+        return token, "stop" if stops or steer.terminated else None
 
     def start_decoding(
         self, req: MockRequest, h: int, token: int, reason: FinishReason | None
@@ -427,7 +440,7 @@ class RankScheduler(LoopMixin):
             reason: FinishReason | None = None
             if req.ngen < req.max_new:
                 flag = bool(eos is not None and eos[i])
-                token, reason = self.decide(req, int(regular[i]), flag, req.ngen)
+                token, reason = self.decide(req, int(regular[i]), flag, req.ngen, int(hs[i]))
             if prefill_role and req.bootstrap is not None:
                 self._owe(req, token, reason)
             elif token is None:

@@ -198,7 +198,7 @@ class TransferMixin:
         if req.ngen >= req.max_new:
             return None
         regular, eos = self._tokens.next_token(prefix_hash, req.seed_word)
-        return sched.decide(req, regular, eos, req.ngen)
+        return sched.decide(req, regular, eos, req.ngen, prefix_hash)
 
     def _start(
         self,

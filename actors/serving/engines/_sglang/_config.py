@@ -250,7 +250,9 @@ def check_role_args(args: Mapping[str, Any], role: Role) -> None:
 
 
 def _guided(grammar: Grammar) -> dict[str, Any]:
-    """Our grammar as SGLang's sampling params (its grammar backend applies it)."""
+    """Our grammar as SGLang's sampling params (its grammar backend applies it): ``json_object``
+    as the schema of any object (what SGLang's own OpenAI server sends for it), a structural
+    tag as its JSON text (SGLang parses it)."""
     if grammar.kind == "json_object":
         return {"json_schema": '{"type": "object"}'}
     key = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}.get(grammar.kind)
@@ -286,6 +288,8 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
         value = getattr(so, ours)
         if value is not None:
             sp[theirs] = value
+    if so.logit_bias:
+        sp["logit_bias"] = {str(token): float(bias) for token, bias in so.logit_bias.items()}
     if so.guided_decoding:
         sp.update(_guided(so.guided_decoding))
     return sp
@@ -306,6 +310,7 @@ def build_capacity(
     kv_events_endpoints: tuple[str, ...],
     kv_events_replay_endpoints: tuple[str, ...],
     metrics_endpoint: str | None,
+    prefills_alone: bool = True,
 ) -> Capacity:
     """Capacity from SGLang's server info (resolved args + scheduler info + internal state).
 
@@ -330,4 +335,5 @@ def build_capacity(
         kv_events_endpoints=kv_events_endpoints,
         kv_events_replay_endpoints=kv_events_replay_endpoints,
         metrics_endpoint=metrics_endpoint,
+        prefills_alone=prefills_alone,
     )

@@ -237,6 +237,7 @@ class SGLangEngine:
             metrics_endpoint=(
                 metrics if self._kv_events_json and metrics.startswith("ipc://") else None
             ),
+            prefills_alone=self.role != "decode",
         )
         if self._warmup_enabled:
             await warm_up(engine, api, self.role, self._bootstrap_port, self._warmup_timeout)

@@ -44,7 +44,7 @@ from protocols.errors import (
     WorkerDraining,
 )
 
-__all__ = ["RequestStream", "StreamConfig"]
+__all__ = ["RequestStream", "StreamConfig", "prompt_logprobs"]
 
 REGISTRATION_WAIT_S = 30.0  # Dynamo: wait for the rid to register
 DISPATCH_WAIT_S = 0.25  # Dynamo: then for the dispatch to the scheduler
@@ -100,11 +100,12 @@ def dispatched(state: Any) -> bool | None:
     return None
 
 
-def _logprobs(meta: Mapping[str, Any], n: int) -> list[TokenLogprob] | None:
+def _logprobs(meta: Mapping[str, Any], n: int, top: int) -> list[TokenLogprob] | None:
     """The logprobs of a chunk's ``n`` new tokens from SGLang's ``meta_info``, whose lists of
     ``(logprob, token id, text)`` hold the whole output so far or only the new tokens (with
     incremental streaming): the last ``n`` entries either way. ``None`` when it has fewer than
-    that (a token it reported no logprob for), so that no logprob goes with the wrong token."""
+    that (a token it reported no logprob for), so that no logprob goes with the wrong token.
+    ``top`` alternatives at most (SGLang's one top-k may serve a larger prompt top-k too)."""
     chosen = meta.get("output_token_logprobs") or ()
     if n == 0 or len(chosen) < n:
         return None
@@ -113,11 +114,34 @@ def _logprobs(meta: Mapping[str, Any], n: int) -> list[TokenLogprob] | None:
     return [
         TokenLogprob(
             float(entry[0]),
-            [int(alt[1]) for alt in top or ()],
-            [float(alt[0]) for alt in top or ()],
+            [int(alt[1]) for alt in list(alts or ())[:top]],
+            [float(alt[0]) for alt in list(alts or ())[:top]],
         )
-        for entry, top in zip(chosen[-n:], tops, strict=True)
+        for entry, alts in zip(chosen[-n:], tops, strict=True)
     ]
+
+
+def prompt_logprobs(meta: Mapping[str, Any], n_prompt: int, top: int) -> list[TokenLogprob] | None:
+    """The logprobs of the prompt's tokens after the first from SGLang's ``meta_info``
+    (``input_token_logprobs``: ``(logprob, token id, text)`` per prompt token, the first's
+    logprob ``None``; ``input_top_logprobs``: the alternatives of each), with ``top``
+    alternatives each. ``None`` when SGLang sent fewer than the prompt has (a decode worker
+    that did not compute them)."""
+    chosen = meta.get("input_token_logprobs") or ()
+    if n_prompt < 1 or len(chosen) < n_prompt:
+        return None
+    chosen = chosen[len(chosen) - n_prompt + 1 :]
+    tops = meta.get("input_top_logprobs") or ()
+    tops = tops[len(tops) - len(chosen) :] if len(tops) >= len(chosen) else [None] * len(chosen)
+    out: list[TokenLogprob] = []
+    for entry, alts in zip(chosen, tops, strict=True):
+        if entry[0] is None:
+            return None
+        alts = list(alts or ())[:top]
+        out.append(
+            TokenLogprob(float(entry[0]), [int(a[1]) for a in alts], [float(a[0]) for a in alts])
+        )
+    return out
 
 
 async def _anext(gen: AsyncIterator[Any]) -> Any:
@@ -151,6 +175,9 @@ class RequestStream:
         self._shutdown = False
         self._submitted = False
         self._finished = False
+        # The side that streams the tokens asks for the prompt's logprobs (a prefill worker's
+        # stream carries none), and sends them with its first output.
+        self._prompt_logprobs_due = request.prompt_logprobs is not None and config.role != "prefill"
 
     # ---------------------------------------------------------------------------- submit
 
@@ -172,7 +199,11 @@ class RequestStream:
             self._bootstrap = boot
         elif cfg.role == "decode" and boot is None:
             raise InvalidRequest("a decode worker needs the request's bootstrap_info")
-        if req.logprobs is not None:
+        if self._prompt_logprobs_due:
+            # From the first prompt token on; SGLang's one top-k serves prompt and output.
+            top = max(req.prompt_logprobs or 0, req.logprobs or 0)
+            kwargs.update(return_logprob=True, top_logprobs_num=top, logprob_start_len=0)
+        elif req.logprobs is not None:
             # Output logprobs only (-1): prompt logprobs would cost a pass over the prompt.
             kwargs.update(return_logprob=True, top_logprobs_num=req.logprobs, logprob_start_len=-1)
         if cfg.role != "aggregated" and boot is not None:
@@ -221,10 +252,14 @@ class RequestStream:
                 new = list(chunk.get("output_ids") or ())
                 self._completion += len(new)
                 ids = [] if self._config.role == "prefill" else new  # decode streams the tokens
-                logprobs = _logprobs(meta, len(ids)) if self._request.logprobs is not None else None
+                top = self._request.logprobs
+                logprobs = _logprobs(meta, len(ids), top) if top is not None else None
+                prompt_lp = self._take_prompt_logprobs(meta) if ids or raw is not None else None
                 if raw is None:
                     if ids:
-                        yield EngineOutput(token_ids=ids, logprobs=logprobs)
+                        yield EngineOutput(
+                            token_ids=ids, logprobs=logprobs, prompt_logprobs=prompt_lp
+                        )
                     chunk = await self._step(None)
                     continue
                 self._finished = True
@@ -235,17 +270,31 @@ class RequestStream:
                 )
                 if str(raw).startswith("abort") and not self.client_aborted:
                     if ids:  # never lose tokens the client has not seen
-                        yield EngineOutput(token_ids=ids, logprobs=logprobs)
+                        yield EngineOutput(
+                            token_ids=ids, logprobs=logprobs, prompt_logprobs=prompt_lp
+                        )
                     raise self._worker_abort(reason)
                 finish, error = normalize_finish_reason(str(raw))
                 if finish == "error" and isinstance(reason, Mapping) and reason.get("message"):
                     error = str(reason["message"])
                 yield EngineOutput(
-                    token_ids=ids, finish_reason=finish, error=error, usage=usage, logprobs=logprobs
+                    token_ids=ids,
+                    finish_reason=finish,
+                    error=error,
+                    usage=usage,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_lp,
                 )
                 return
         finally:
             await self._close(first)
+
+    def _take_prompt_logprobs(self, meta: Mapping[str, Any]) -> list[TokenLogprob] | None:
+        """The prompt's logprobs from the first output's ``meta_info``, once."""
+        if not self._prompt_logprobs_due:
+            return None
+        self._prompt_logprobs_due = False
+        return prompt_logprobs(meta, self._prompt, self._request.prompt_logprobs or 0)
 
     async def _wait_prefill_dispatched(self, first: asyncio.Future[Any]) -> None:
         """Return once SGLang dispatched the request (its room is registered) or the step ended."""
