@@ -29,6 +29,7 @@ from tests.frontend._http import (
     sse_events,
 )
 from tests.frontend.conftest import served
+from tests.helpers.openai_streams import OPENAI_STREAMS
 
 PROMPT_IDS = ByteTokenizer().apply_chat_template([{"role": "user", "content": "hi"}])
 
@@ -300,13 +301,7 @@ async def test_logit_bias_outside_the_vocabulary_is_400() -> None:
     assert "258" in r.json()["error"]["message"]
 
 
-# The openai client's AsyncStream stops at [DONE] without closing httpcore2's inner byte-stream
-# generator; trio reports the generator's garbage collection (asyncio finalises it silently).
-@pytest.mark.filterwarnings(
-    r"ignore:Exception ignored in. <async_generator object "
-    r"(PoolByteStream|Response\.|AsyncStream|SSEDecoder|SSEBytesDecoder)"
-    ":pytest.PytestUnraisableExceptionWarning"
-)
+@OPENAI_STREAMS
 async def test_the_openai_client_reads_several_choices(base_url: str) -> None:
     async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0) as c:
         chat = await c.chat.completions.create(

@@ -21,6 +21,7 @@ from protocols.errors import NoWorkerAvailable
 from tests.frontend._hf import build_tokenizer_folder
 from tests.frontend._http import CHAT, COMPLETIONS, chat_body, chunks
 from tests.frontend.conftest import served
+from tests.helpers.openai_streams import OPENAI_STREAMS
 
 PROMPT_IDS = ByteTokenizer().apply_chat_template([{"role": "user", "content": "hi"}])
 BEFORE_STOP = ANSWER[: ANSWER.index("STOP")]
@@ -259,14 +260,7 @@ async def test_request_fields_reach_the_engine(base_url: str, backend: FakeBacke
     assert req.model == MODEL
 
 
-# The openai client's AsyncStream stops at [DONE] without closing httpcore2's inner byte-stream
-# generator; trio reports the generator's garbage collection (asyncio finalises it silently).
-# A client-library quirk, not a server one: only that warning is ignored.
-@pytest.mark.filterwarnings(
-    r"ignore:Exception ignored in. <async_generator object "
-    r"(PoolByteStream|Response\.|AsyncStream|SSEDecoder|SSEBytesDecoder)"
-    ":pytest.PytestUnraisableExceptionWarning"
-)
+@OPENAI_STREAMS
 async def test_openai_async_client(base_url: str) -> None:
     async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0) as c:
         chat = await c.chat.completions.create(

@@ -18,16 +18,11 @@ from prometheus_client import CollectorRegistry
 from actors.serving.frontend import ByteTokenizer, ModelInfo, create_app
 from actors.serving.testing import CONTEXT, MODEL, FakeBackend
 from protocols.engine import PreprocessedRequest
+from tests.helpers.openai_streams import OPENAI_STREAMS
 
 from .conftest import served
 
-# The openai client's AsyncStream leaves httpcore2's inner byte-stream generator to the garbage
-# collector, which trio reports (as in test_http_api.py): only that warning is ignored.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:Exception ignored in. <async_generator object "
-    r"(PoolByteStream|Response\.|AsyncStream|SSEDecoder|SSEBytesDecoder)"
-    ":pytest.PytestUnraisableExceptionWarning"
-)
+pytestmark = OPENAI_STREAMS
 
 WEATHER: Any = {  # (Any: the openai client's TypedDicts)
     "type": "function",

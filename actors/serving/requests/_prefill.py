@@ -23,7 +23,7 @@ from actors import ActorError, ActorRef, ReplyStream
 from actors.serving.requests._attempt import Attempt, Progress, without_first
 from actors.serving.routing import Routed
 from protocols.engine import EngineOutput, PreprocessedRequest
-from protocols.errors import KVTransferError, RequestError
+from protocols.errors import InvalidRequest, KVTransferError, RequestError
 
 __all__ = ["Prefill", "PrefillFirstAttempt"]
 
@@ -101,7 +101,8 @@ class PrefillFirstAttempt(Attempt):
 
     async def _from_prefill(self) -> EngineOutput | None:
         """The prefill's first token as the client's first output; ``None`` if it has none:
-        whatever went wrong there, the decode stream reports it (a KV transfer error, a stall)."""
+        whatever went wrong there, the decode stream reports it (a KV transfer error, a stall),
+        but for a request the prefill engine refused (bad input, not worth a migration)."""
         prefill = self.prefill
         assert prefill is not None
         output = None
@@ -109,6 +110,8 @@ class PrefillFirstAttempt(Attempt):
         try:
             if left > 0:
                 output = await prefill.outputs.receive(min(self._stall, left))
+        except InvalidRequest:
+            raise
         except (StopAsyncIteration, TimeoutError, RequestError, ActorError):
             pass
         finally:
