@@ -10,8 +10,8 @@ Usage, from the repository root::
     .venv/bin/python docs/gen_config_table.py            # print both tables
     .venv/bin/python docs/gen_config_table.py --write    # rewrite them where the docs carry them
 
-``tests/test_docs.py`` fails when a table in ``README.md`` or ``docs/pages/configuration.md`` is not
-what this script prints, so a changed option is one ``--write`` away from documented.
+``tests/test_docs.py`` fails when a table in ``docs/pages/configuration.md`` is not what this
+script prints, so a changed option is one ``--write`` away from documented.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The files that carry generated tables, between ``<!-- BEGIN name ... -->`` and ``<!-- END name
 #: -->`` lines; which tables each one carries.
 TARGETS: dict[str, tuple[str, ...]] = {
-    "README.md": ("run-options",),
     "docs/pages/configuration.md": ("run-options", "config-fields"),
 }
 
@@ -46,6 +45,11 @@ RUNTIME_DEFAULTS: dict[str, str] = {
     "tool_call_parser": "none: requests with `tools` get a 400 (unless `tool_choice` is `none`)",
     "reasoning_parser": "none: reasoning stays in `content`",
     "control_token_file": "`$ACTORSERVE_CONTROL_TOKEN`, else a generated token file",
+    "api_key": "none: no key needed",
+    "api_key_file": "none",
+    "api_key_protects": "none: `/live`, `/health` and `/metrics` open",
+    "ssl_certfile": "none: plain HTTP",
+    "ssl_keyfile": "none",
 }
 
 #: What the config-file fields without a command-line option mean (and ``engine_args``, whose
@@ -139,7 +143,7 @@ def run_rows() -> list[Row]:
         name: str = param.name
         if param.default not in (None, ""):
             default = _code(param.default)
-        elif config.get(name) not in (None, "", {}):
+        elif config.get(name) not in (None, "", {}, []):
             default = _code(config[name])
         elif name == "model":
             default = _model_default()

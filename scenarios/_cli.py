@@ -72,7 +72,7 @@ def run_scenarios(
     log_level: Annotated[str, typer.Option(help="Log level of the serving tree.")] = "error",
 ) -> None:
     """Run scenarios (engines in child processes, HTTP on 127.0.0.1); exit 1 on a failure."""
-    from actors.serving.cli import configure_logging
+    from actors.telemetry import configure_logging
     from scenarios._runner import run
 
     configure_logging(log_level)
@@ -142,7 +142,7 @@ def soak(
     no request is lost and memory, descriptors and threads stay flat; exit 1 on a failure."""
     import json
 
-    from actors.serving.cli import configure_logging
+    from actors.telemetry import configure_logging
     from scenarios._soak import soak as run_soak
     from scenarios._soak_report import SoakConfig
 

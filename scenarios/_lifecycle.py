@@ -20,7 +20,7 @@ from scenarios._subprocess import DRAIN_S
 __all__ = ["DrainAndUndrain", "ReleaseAndResume", "RollingRelease", "SignalRoot"]
 
 _LIFECYCLE = "lifecycle"  # the lifecycle actor's registered name (actors.serving.root._root)
-_INFLIGHT = "actorserve_frontend_inflight_requests"
+_ACTIVE = "actorserve_frontend_active_requests"
 
 
 def _tags(value: Any) -> tuple[str, ...]:
@@ -143,7 +143,7 @@ async def _signal_root(fault: SignalRoot, target: Target, record: FaultRecord) -
     if fault.when_inflight:
         with anyio.move_on_after(fault.wait_s) as scope:
             # Polling: the gauge lives behind HTTP, there is nothing to wait on.
-            while await gauge(target.client, _INFLIGHT) < fault.when_inflight:  # noqa: ASYNC110
+            while await gauge(target.client, _ACTIVE) < fault.when_inflight:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         if scope.cancelled_caught:
             record.error = f"never {fault.when_inflight} requests in flight within {fault.wait_s} s"

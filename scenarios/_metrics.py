@@ -63,17 +63,19 @@ def _stage(stage: str, outcome: str) -> Callable[[dict[str, str]], bool]:
     return lambda labels: labels.get("stage") == stage and labels.get("outcome") == outcome
 
 
+_MIGRATIONS = "actorserve_frontend_model_migration_total"
+
 # Server-side counters a scenario can bound (``Expect.counters``); the report adds client-side
 # ones: ``requests_failed``, ``rejections`` (503s seen), ``cancelled`` (client disconnects).
 COUNTERS: Mapping[str, Callable[[Sample], float]] = {
-    "migrations": _sum("actorserve_migration_total"),
+    "migrations": _sum(_MIGRATIONS),
     "migrations_ongoing": _sum(
-        "actorserve_migration_total", lambda labels: labels.get("type") == "ongoing_request"
+        _MIGRATIONS, lambda labels: labels.get("migration_type") == "ongoing_request"
     ),
     "migrations_new": _sum(
-        "actorserve_migration_total", lambda labels: labels.get("type") == "new_request"
+        _MIGRATIONS, lambda labels: labels.get("migration_type") == "new_request"
     ),
-    "cancellations": _sum("actorserve_cancellation_total"),
+    "cancellations": _sum("actorserve_frontend_model_cancellation_total"),
     # A worker's engine restarted (with its publisher and health checker: one_for_all).
     "engine_restarts": _events("restarted", lambda labels: labels.get("child") == "engine"),
     # A whole worker restarted by its pool (after the worker escalated).

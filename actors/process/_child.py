@@ -30,6 +30,7 @@ from actors._stream import StreamChannel
 from actors._zmq import context
 from actors.process import _frames as f
 from actors.process._link import Link, LinkBroken, connect_link
+from actors.telemetry import configure_logging
 from protocols import codec
 
 __all__ = ["main", "resolve"]
@@ -44,6 +45,9 @@ class ChildOptions(msgspec.Struct, frozen=True):
     heartbeat_interval: float = 0.2
     root_pid: int = 0
     tmpdir: str = ""  # ours alone; the parent removes it once we are gone
+    # The parent's logging setup (level, format), so that a root's processes log alike; None:
+    # the parent never configured logging (an embedding application's or a test's).
+    log: tuple[str, str] | None = None
 
 
 def resolve(path: str) -> Any:
@@ -73,6 +77,8 @@ def main(endpoints: list[str], factory: str, args: bytes, options: bytes) -> Non
         os.environ["TMPDIR"] = tempfile.tempdir = opts.tmpdir
     if opts.root_pid and os.getppid() == 1:
         os._exit(1)
+    if opts.log is not None:
+        configure_logging(*opts.log)
     try:
         run_on(opts.backend, _serve, endpoints, factory, args, opts)
     except LinkBroken:

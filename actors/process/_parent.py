@@ -38,6 +38,7 @@ from actors.process import _frames as f
 from actors.process._child import ChildOptions
 from actors.process._link import LinkBroken, Transport, new_link
 from actors.process._spawn import exit_code, preload, start_process
+from actors.telemetry import log_settings
 from protocols import codec
 
 __all__ = ["ProcessActor", "ProcessDied", "ProcessOptions"]
@@ -230,7 +231,12 @@ class ProcessActor(Actor):
         self._tmpdir = tempfile.mkdtemp(prefix="actorserve-")
         options = msgspec.msgpack.encode(
             ChildOptions(
-                self.process_name, opts.backend, opts.heartbeat_interval, os.getpid(), self._tmpdir
+                self.process_name,
+                opts.backend,
+                opts.heartbeat_interval,
+                os.getpid(),
+                self._tmpdir,
+                log_settings(),
             )
         )
         loop = backend()

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-import sys
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
+import attrs
 import structlog
 import typer
 from rich.console import Console
@@ -18,53 +17,75 @@ from actors.serving.errors import ServingError
 from actors.serving.root import (
     Budgets,
     RootOptions,
+    ServeConfig,
     find_control_socket,
     load_token,
+    read_config_file,
     request_tree,
     run_root,
     token_file_of_this_root,
 )
+from actors.telemetry import configure_logging
 from supervisors import SupervisorRef, render_tree, snapshot_tree
 
 app = typer.Typer(
     help="Serve LLMs with SGLang engines as actors under supervision trees.", no_args_is_help=True
 )
 console = Console(stderr=True)
+_log = structlog.get_logger("actorserve.cli")
 # Sub-commands from other packages (``actorserve scenario`` comes from ``scenarios``) plug in
 # through this entry-point group, so the serving application imports nothing above itself.
 for _command in entry_points(group="actorserve.commands"):
     app.add_typer(_command.load(), name=_command.name)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"actorserve {version('actorserve')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
     """actorserve: run, tree."""
 
 
-class _Stderr:
-    """Whatever ``sys.stderr`` is when a line is written (a test runner may swap it)."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-def configure_logging(level: str) -> None:
-    """structlog at ``level``, to standard error."""
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
-        # No cache_logger_on_first_use: a cached module logger ignores any later configure()
-        # (capture_logs in tests, an embedding app's own setup) for the rest of the process.
-    )
+def _config_file_defaults(ctx: typer.Context, path: Path | None) -> Path | None:
+    """``--config``'s callback (before any other option is read): the file's values of the
+    options that are no ``ServeConfig`` field become their defaults, which the command line and
+    the environment override (``load_config`` reads its fields)."""
+    if path is not None:
+        try:
+            data = read_config_file(path)
+        except (ValueError, OSError) as exc:
+            raise typer.BadParameter(str(exc)) from None
+        own = _command_only(ctx)
+        ctx.default_map = {key: value for key, value in data.items() if key in own}
+    return path
 
 
-@app.command(context_settings={"allow_extra_args": True})
+def _command_only(ctx: typer.Context) -> set[str]:
+    """The options of ``ctx``'s command that are no ``ServeConfig`` field."""
+    return {str(p.name) for p in ctx.command.params} - set(attrs.fields_dict(ServeConfig))
+
+
+# Every option of `run` also comes from $ACTORSERVE_<NAME>, as $ACTORSERVE_DRAIN_BUDGET does.
+@app.command(context_settings={"allow_extra_args": True, "auto_envvar_prefix": "ACTORSERVE"})
 def run(
     ctx: typer.Context,
-    config: Annotated[Path | None, typer.Option(help="TOML or YAML config file.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="TOML or YAML config file.", callback=_config_file_defaults, is_eager=True
+        ),
+    ] = None,
     model: Annotated[
         str | None, typer.Option(help="Served model name (default: the backend's model).")
     ] = None,
@@ -129,7 +150,12 @@ def run(
             help="Event loop of the root: uvloop (the default where installed), asyncio or trio."
         ),
     ] = None,
-    log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
+    log_level: Annotated[
+        str, typer.Option(help="Log level: debug, info, warning, error or critical.")
+    ] = "warning",
+    log_format: Annotated[
+        str, typer.Option(help="Log lines: console (for people) or json (one object a line).")
+    ] = "console",
     control: Annotated[
         str,
         typer.Option(help="Path of the local control socket (default: in the root's run dir)."),
@@ -150,7 +176,31 @@ def run(
     ] = 2.0,
     drain_budget: Annotated[
         float, typer.Option(help="Shutdown: seconds for in-flight requests.")
-    ] = 30.0,
+    ] = 10.0,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(help="Require `Authorization: Bearer KEY` on /v1/* (repeatable)."),
+    ] = None,
+    api_key_file: Annotated[
+        str | None, typer.Option(help="File of API keys, one a line (with --api-key's).")
+    ] = None,
+    api_key_protects: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated: which of live,health,metrics need the key too."),
+    ] = None,
+    ssl_certfile: Annotated[
+        str | None, typer.Option(help="HTTPS: PEM certificate (chain), with --ssl-keyfile.")
+    ] = None,
+    ssl_keyfile: Annotated[
+        str | None, typer.Option(help="HTTPS: PEM private key, with --ssl-certfile.")
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None, typer.Option(help="Larger request bodies get a 413.")
+    ] = None,
+    header_timeout: Annotated[
+        float | None,
+        typer.Option(help="Seconds a connection has to send a request's headers."),
+    ] = None,
 ) -> None:
     """Start the root process: workers, request streams and the OpenAI-compatible API.
 
@@ -159,7 +209,11 @@ def run(
     """
     from actors.serving.root import Serving, load_config
 
-    configure_logging(log_level)
+    try:
+        configure_logging(log_level, log_format)
+    except ValueError as exc:
+        console.print(f"[red]bad logging option:[/red] {exc}")
+        raise typer.Exit(2) from None
     overrides: dict[str, Any] = {
         "model": model,
         "backend": backend,
@@ -175,6 +229,13 @@ def run(
         "kv_events": kv_events,
         "tool_call_parser": tool_call_parser,
         "reasoning_parser": reasoning_parser,
+        "api_key": api_key,
+        "api_key_file": api_key_file,
+        "api_key_protects": None if api_key_protects is None else api_key_protects.split(","),
+        "ssl_certfile": ssl_certfile,
+        "ssl_keyfile": ssl_keyfile,
+        "max_body_bytes": max_body_bytes,
+        "header_timeout": header_timeout,
     }
     try:
         loop = resolve_loop(loop)
@@ -182,7 +243,7 @@ def run(
         console.print(f"[red]bad --loop:[/red] {exc}")
         raise typer.Exit(2) from None
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, skip=_command_only(ctx))
         cfg = _with_engine_args(cfg, "engine_args", engine_arg, ctx.args)
         cfg = _with_engine_args(cfg, "prefill_engine_args", prefill_engine_arg)
         cfg = _with_engine_args(cfg, "decode_engine_args", decode_engine_arg)
@@ -191,6 +252,9 @@ def run(
         raise typer.Exit(2) from None
     try:
         serving = Serving(cfg)
+    except (ValueError, OSError) as exc:  # an API key file or a TLS pair that does not load
+        console.print(f"[red]bad configuration:[/red] {exc}")
+        raise typer.Exit(2) from None
     except ImportError as exc:
         console.print(
             f"[red]the {cfg.backend} backend is not installed:[/red] {exc}; install it with: "
@@ -218,27 +282,33 @@ def run(
         control_token=token,
     )
 
+    # JSON logs: the console's progress, tree and notices would be lines of another shape on
+    # standard error, so they go out as log events only.
+    say = console if log_format == "console" else Console(stderr=True, quiet=True)
+
     async def main() -> None:
-        status = console.status(
-            f"starting {len(serving.roles)} {cfg.backend} workers ({cfg.mode})..."
-        )
+        status = say.status(f"starting {len(serving.roles)} {cfg.backend} workers ({cfg.mode})...")
         status.start()
 
         async def ready(root: SupervisorRef) -> None:
             status.stop()
-            console.print(render_tree(await snapshot_tree(root)))
-            console.print(
-                f"[bold green]ready[/bold green]: http://{cfg.host}:{serving.port}/v1 "
+            scheme = "http" if serving.tls is None else "https"
+            url = f"{scheme}://{cfg.host}:{serving.port}/v1"
+            _log.info("ready", url=url, model=cfg.model)
+            say.print(render_tree(await snapshot_tree(root)))
+            say.print(
+                f"[bold green]ready[/bold green]: {url} "
                 f"(model {cfg.model!r}); Ctrl-C or SIGTERM stops gracefully, twice exits at once"
             )
             if control_api_port is not None and token is None:
-                console.print(f"control API token written to {token_file_of_this_root()}")
+                say.print(f"control API token written to {token_file_of_this_root()}")
 
         try:
             await run_root(serving, options, on_ready=ready)
         finally:
             status.stop()
-        console.print("stopped cleanly")
+        _log.info("stopped cleanly")
+        say.print("stopped cleanly")
 
     run_on(loop, main)
 
@@ -265,8 +335,6 @@ def _with_engine_args(
     """``cfg`` with ``field`` (a dict of engine args) updated from ``KEY=VALUE`` pairs (values
     read as JSON where they parse) and, for SGLang, its own flags given after ``--``."""
     import json
-
-    import attrs
 
     if not pairs and not sglang_flags:
         return cfg
@@ -298,8 +366,6 @@ def tree(
 ) -> None:
     """Print the live supervision tree of a running root."""
     import json
-
-    import attrs
 
     try:
         node = anyio.run(request_tree, control or find_control_socket())

@@ -12,7 +12,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 import anyio
 from prometheus_client import CollectorRegistry, Counter
 
-from actors.serving.frontend import ByteTokenizer, EndpointStatus, ModelInfo, Tokenizer
+from actors.serving.frontend import (
+    ByteTokenizer,
+    ModelHealth,
+    ModelInfo,
+    Tokenizer,
+    WorkerHealth,
+    WorkerState,
+)
 from protocols.engine import EngineOutput, FinishReason, PreprocessedRequest, TokenLogprob, Usage
 
 __all__ = ["ANSWER", "CONTEXT", "MODEL", "FakeBackend"]
@@ -60,8 +67,14 @@ class FakeBackend:
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(name=MODEL, context_length=CONTEXT, tokenizer=self.tokenizer)]
 
-    def health(self) -> Mapping[str, EndpointStatus]:
-        return {"generate": "ready" if self.ready else "notready", "prefill": "ready"}
+    def health(self) -> Mapping[str, ModelHealth]:
+        state: WorkerState = "ready" if self.ready else "restarting"
+        workers = {
+            "prefill-0": WorkerHealth("prefill", "ready"),
+            "decode-0": WorkerHealth("decode", state),
+        }
+        reason = None if self.ready else "no routable decode worker"
+        return {MODEL: ModelHealth(self.ready, reason, workers)}
 
     def metrics_registry(self) -> CollectorRegistry | None:
         return self.extra_registry

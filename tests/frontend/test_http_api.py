@@ -370,10 +370,19 @@ async def test_health_and_live(base_url: str, backend: FakeBackend) -> None:
         live = await client.get("/live")
     assert ready.status_code == 200
     assert ready.json()["status"] == "ready"
-    assert ready.json()["endpoints"] == {"generate": "ready", "prefill": "ready"}
+    assert ready.json()["models"][MODEL] == {
+        "status": "ready",
+        "reason": None,
+        "workers": {
+            "prefill-0": {"role": "prefill", "state": "ready"},
+            "decode-0": {"role": "decode", "state": "ready"},
+        },
+    }
     assert notready.status_code == 503
     assert notready.json()["status"] == "notready"
-    assert notready.json()["endpoints"]["generate"] == "notready"
+    model = notready.json()["models"][MODEL]
+    assert model["reason"] == "no routable decode worker"
+    assert model["workers"]["decode-0"]["state"] == "restarting"
     assert live.status_code == 200 and live.json()["status"] == "live"
 
 
@@ -388,7 +397,7 @@ async def test_metrics(base_url: str, registry: CollectorRegistry) -> None:
     text = r.text
     for name in (
         "actorserve_frontend_requests_total",
-        "actorserve_frontend_inflight_requests",
+        "actorserve_frontend_active_requests",
         "actorserve_frontend_time_to_first_token_seconds_bucket",
         "actorserve_frontend_inter_token_latency_seconds_bucket",
         "actorserve_frontend_request_duration_seconds_bucket",
@@ -406,5 +415,5 @@ async def test_metrics(base_url: str, registry: CollectorRegistry) -> None:
     bad = {"model": "", "endpoint": CHAT, "request_type": "", "status": "error"}
     assert value("actorserve_frontend_requests_total", error_type="validation", **bad) == 1
     assert value("actorserve_frontend_output_tokens_total", model=MODEL) == 2 * len(ANSWER.encode())
-    assert value("actorserve_frontend_inflight_requests", model=MODEL) == 0
+    assert value("actorserve_frontend_active_requests", model=MODEL) == 0
     assert value("actorserve_frontend_time_to_first_token_seconds_count", model=MODEL) == 2

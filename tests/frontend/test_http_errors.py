@@ -354,8 +354,9 @@ async def test_disconnect_mid_stream_cancels_the_backend(
     assert backend.cancelled == [backend.requests[0].rid]
     labels = {"model": MODEL}
     await _wait_value(registry, "actorserve_frontend_disconnected_clients_total", labels)
-    await _wait_value(registry, "actorserve_frontend_cancellation_total", labels)
-    assert registry.get_sample_value("actorserve_frontend_inflight_requests", labels) == 0
+    outcome = {"endpoint": path, "request_type": "stream", "status": "cancelled", "error_type": ""}
+    await _wait_value(registry, "actorserve_frontend_requests_total", labels | outcome)
+    assert registry.get_sample_value("actorserve_frontend_active_requests", labels) == 0
 
 
 @pytest.mark.parametrize("stream", [False, True])

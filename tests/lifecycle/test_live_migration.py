@@ -38,14 +38,15 @@ def _prompts(n: int, tag: str = "") -> list[str]:
 
 def _live(outcome: str) -> float:
     value = REGISTRY.get_sample_value(
-        "actorserve_live_migration_total", {"model": "mock", "outcome": outcome}
+        "actorserve_frontend_model_live_migration_total", {"model": "mock", "outcome": outcome}
     )
     return value or 0.0
 
 
 def _ahead(outcome: str = "taken") -> float:
     value = REGISTRY.get_sample_value(
-        "actorserve_live_migration_ahead_total", {"model": "mock", "outcome": outcome}
+        "actorserve_frontend_model_live_migration_ahead_total",
+        {"model": "mock", "outcome": outcome},
     )
     return value or 0.0
 

@@ -10,8 +10,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from prometheus_client import REGISTRY
 
+from actors.telemetry import REGISTRY
 from actors.testing import wait_until
 from protocols import control
 from tests.helpers.serving import Tree, serving_tree
@@ -39,7 +39,7 @@ def _fallbacks() -> float:
     return sum(
         sample.value
         for metric in REGISTRY.collect()
-        if metric.name == "actorserve_decode_only_fallback"
+        if metric.name == "actorserve_frontend_decode_only_fallback"
         for sample in metric.samples
         if sample.name.endswith("_total")
     )

@@ -127,9 +127,9 @@ async def _generate_all(tree: Tree, prompts: list[list[int]], max_tokens: int) -
 
 
 def _migrations(tree: Tree) -> float:
-    """Running requests re-dispatched so far (the ``actorserve_migration`` counter)."""
-    labels = {"model": tree.serving.config.model, "type": "ongoing_request"}
-    return REGISTRY.get_sample_value("actorserve_migration_total", labels) or 0.0
+    """Running requests re-dispatched so far (``actorserve_frontend_model_migration_total``)."""
+    labels = {"model": tree.serving.config.model, "migration_type": "ongoing_request"}
+    return REGISTRY.get_sample_value("actorserve_frontend_model_migration_total", labels) or 0.0
 
 
 async def test_greedy_is_generate_token_for_token_aggregated_and_disaggregated(

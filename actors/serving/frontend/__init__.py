@@ -8,29 +8,44 @@ its :class:`Tokenizer` (:class:`ByteTokenizer` for the mock engine, :class:`HFTo
 models).
 """
 
-from actors.serving.frontend._app import create_app
-from actors.serving.frontend._backend import Backend, EndpointStatus, ModelInfo
+from actors.serving.frontend._app import DEFAULT_MAX_BODY_BYTES, create_app
+from actors.serving.frontend._auth import OPS_PATHS, ApiKeys, read_key_file
+from actors.serving.frontend._backend import (
+    Backend,
+    ModelHealth,
+    ModelInfo,
+    WorkerHealth,
+    WorkerState,
+)
 from actors.serving.frontend._metrics import FrontendMetrics
 from actors.serving.frontend._parsers import (
     REASONING_PARSER_NAMES,
     TOOL_CALL_PARSER_NAMES,
     check_parser_names,
 )
-from actors.serving.frontend._serve import serve
+from actors.serving.frontend._serve import DEFAULT_HEADER_TIMEOUT_S, TlsFiles, serve
 from actors.serving.frontend._tokenizer import ByteTokenizer, Detokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
+    "DEFAULT_HEADER_TIMEOUT_S",
+    "DEFAULT_MAX_BODY_BYTES",
+    "OPS_PATHS",
     "REASONING_PARSER_NAMES",
     "TOOL_CALL_PARSER_NAMES",
+    "ApiKeys",
     "Backend",
     "ByteTokenizer",
     "Detokenizer",
-    "EndpointStatus",
     "FrontendMetrics",
     "HFTokenizer",
+    "ModelHealth",
     "ModelInfo",
+    "TlsFiles",
     "Tokenizer",
+    "WorkerHealth",
+    "WorkerState",
     "check_parser_names",
     "create_app",
+    "read_key_file",
     "serve",
 ]

@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
@@ -21,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from protocols.engine import EngineOutput, PreprocessedRequest, Usage
 from protocols.errors import ModelNotFound, Overloaded, RequestError, StreamIncomplete
 
+from ._auth import ApiKeys
 from ._backend import Backend, ModelInfo
 from ._chunks import DONE_FRAME, ChatRenderer, CompletionRenderer, Renderer, error_frame
 from ._door import Door, GenerationRoute
@@ -55,6 +57,7 @@ from ._ops import Ops
 from ._parsers import OutputParser, ParsedDelta, output_parser
 from ._parsers._chat import tool_plan
 from ._pipeline import Choice
+from ._request_id import echoing, request_id_of
 from ._sse import SSEResponse, SSEWriter
 from ._streams import (
     STREAM_ENDED,
@@ -109,6 +112,7 @@ def create_app(
     retry_after_s: int = 1,
     ping_interval_s: float = 0.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     """The frontend's ASGI app for ``backend``.
 
@@ -118,7 +122,8 @@ def create_app(
     get a 413. ``ping_interval_s > 0`` sends SSE keep-alive comments (``: ping``) during quiet
     stretches of a stream, for proxies that cut idle connections; off by default, like vLLM's and
     SGLang's servers, because the ping task costs about as much CPU per stream as the rest of the
-    SSE machinery.
+    SSE machinery. With ``api_keys``, the requests that need a key and carry none of them get a
+    401 (see :mod:`._auth`).
     """
     frontend = _Frontend(backend, registry, max_inflight, retry_after_s, ping_interval_s)
     ops = Ops(backend, registry)
@@ -127,6 +132,7 @@ def create_app(
     door = Door([chat, completions], max_body_bytes, frontend.metrics)
     app = _App(
         door,
+        api_keys,
         [
             _documented(chat, ChatCompletionResponse),
             _documented(completions, CompletionResponse),
@@ -178,17 +184,37 @@ class _App(FastAPI):
     """FastAPI, with the requests to a generation path handed to the door (see :mod:`._door`)
     before any of FastAPI's layers."""
 
-    def __init__(self, door: Door, documented: list[APIRoute], **settings: Any) -> None:
+    def __init__(
+        self, door: Door, api_keys: ApiKeys | None, documented: list[APIRoute], **settings: Any
+    ) -> None:
         super().__init__(**settings)
         self.door = door
+        self.api_keys = api_keys
         self.documented = documented
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.door.route(scope)
-        if route is None:
+        if scope["type"] != "http":
             await super().__call__(scope, receive, send)
-        else:
-            await self.door.serve(route, scope, receive, send)
+            return
+        request_id = request_id_of(scope)
+        echo = (b"x-request-id", request_id)
+        tokens = structlog.contextvars.bind_contextvars(request_id=request_id.decode())
+        try:
+            if self.api_keys is not None:
+                refusal = self.api_keys.refusal(scope)
+                if refusal is not None:
+                    refusal.raw_headers.append(echo)
+                    await refusal(scope, receive, send)
+                    return
+            route = self.door.route(scope)
+            if route is None:
+                await super().__call__(scope, receive, echoing(send, echo))
+            else:
+                await self.door.serve(route, scope, receive, send, echo)
+        finally:
+            # The server may serve its next request in this task: nothing of this one stays.
+            structlog.contextvars.reset_contextvars(**tokens)
+            structlog.contextvars.unbind_contextvars("rid")
 
     def openapi(self) -> dict[str, Any]:
         """FastAPI's schema, with the door's routes in it, whose request bodies are their models'
@@ -421,6 +447,7 @@ class _Frontend:
             tools = tool_plan(body, info.tool_call_parser)
             prompt = await chat_prompt(info, body, tools)
             rid = f"chatcmpl-{secrets.token_hex(16)}"
+            structlog.contextvars.bind_contextvars(rid=rid)  # logged next to the request_id
             max_tokens = body.max_completion_tokens or body.max_tokens
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             guided, bias = tools.grammar or guided_decoding(body), logit_bias(body, info)
@@ -458,6 +485,7 @@ class _Frontend:
             info = self._admit(body.model)
             prompts = await completion_prompts(info, body)
             rid = f"cmpl-{secrets.token_hex(16)}"
+            structlog.contextvars.bind_contextvars(rid=rid)  # logged next to the request_id
             # OpenAI's default for completions is 16 tokens (chat's is "the rest of the context").
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             copies = body.best_of or body.n

@@ -12,9 +12,29 @@ from protocols.engine import EngineOutput, PreprocessedRequest
 
 from ._tokenizer import Tokenizer
 
-__all__ = ["Backend", "EndpointStatus", "ModelInfo"]
+__all__ = ["Backend", "ModelHealth", "ModelInfo", "WorkerHealth", "WorkerState"]
 
-EndpointStatus = Literal["ready", "notready"]
+#: A worker as ``/health`` shows it: ``ready`` (routable), ``restarting`` (not registered:
+#: starting, restarting, or left down after crash-looping), ``draining`` (taken out of routing on
+#: purpose: a drain, a memory release) or ``out_of_service`` (registered but failing its canaries).
+WorkerState = Literal["ready", "restarting", "draining", "out_of_service"]
+
+
+@attrs.frozen
+class WorkerHealth:
+    """One worker of a served model, for ``/health``'s detail."""
+
+    role: str
+    state: WorkerState
+
+
+@attrs.frozen
+class ModelHealth:
+    """Whether a served model can take requests now, why not if not, and each of its workers."""
+
+    ready: bool
+    reason: str | None = None
+    workers: Mapping[str, WorkerHealth] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -72,8 +92,9 @@ class Backend(Protocol):
         """
         ...
 
-    def health(self) -> Mapping[str, EndpointStatus]:
-        """Readiness per endpoint (e.g. ``{"generate": "ready"}``); ready iff all are ready."""
+    def health(self) -> Mapping[str, ModelHealth]:
+        """Readiness per served model (cheap: probes call it every few seconds); ``/health`` is
+        200 iff there is one and every one is ready."""
         ...
 
     def metrics_registry(self) -> CollectorRegistry | None:

@@ -34,6 +34,7 @@ from ._errors import (
     validation_error_response,
 )
 from ._metrics import FrontendMetrics
+from ._request_id import Header
 
 __all__ = ["Door", "GenerationRoute"]
 
@@ -100,22 +101,29 @@ class Door:
         ]
 
     async def serve(
-        self, route: GenerationRoute[Any], scope: Scope, receive: Receive, send: Send
+        self,
+        route: GenerationRoute[Any],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        echo: Header | None,
     ) -> None:
+        """Serve a request to ``route``, with ``echo`` (its ``x-request-id``) added to whatever
+        response it gets (``None``: ``send`` adds it)."""
         try:
             try:
                 body = await self._accept(route, scope, receive)
             except _Refused as refused:
                 if refused.response is not None:
-                    await refused.response(scope, receive, send)
+                    await _echoed(refused.response, echo)(scope, receive, send)
                 return
             response = await route.endpoint(Request(scope, receive, send), body)
-            await response(scope, receive, send)
+            await _echoed(response, echo)(scope, receive, send)
         except Exception:
             # What a server-error middleware does: a 500 if nothing was sent yet, and the error
             # goes on to the server, which logs it.
             try:
-                await internal_error_response()(scope, receive, send)
+                await _echoed(internal_error_response(), echo)(scope, receive, send)
             except Exception:
                 pass  # the response had started: the server ends the connection
             raise
@@ -192,7 +200,15 @@ class _Entrance:
         self._route = route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._door.serve(self._route, scope, receive, send)
+        # The router's requests came through the app's echoing send: no header of our own.
+        await self._door.serve(self._route, scope, receive, send, None)
+
+
+def _echoed(response: Response, echo: Header | None) -> Response:
+    """``response`` with the ``echo`` header (an SSE response adds it to what it sends)."""
+    if echo is not None:
+        response.raw_headers.append(echo)
+    return response
 
 
 def _json_number(text: str) -> int | float:

@@ -69,8 +69,8 @@ class FrontendMetrics:
             ["model", "endpoint", "request_type", "status", "error_type"],
             registry=registry,
         )
-        self.inflight = Gauge(
-            name("inflight_requests"),
+        self.active = Gauge(
+            name("active_requests"),
             "Requests being served now.",
             ["model"],
             registry=registry,
@@ -120,12 +120,6 @@ class FrontendMetrics:
         self.disconnected = Counter(
             name("disconnected_clients"),
             "Clients that went away before their response was complete.",
-            ["model"],
-            registry=registry,
-        )
-        self.cancellations = Counter(
-            name("cancellation"),
-            "Requests cancelled (client gone, server shutting down) before they finished.",
             ["model"],
             registry=registry,
         )
@@ -216,10 +210,9 @@ class LoopHistogramSeries:
 
 class _ModelSeries:
     __slots__ = (
-        "cancellations",
+        "active",
         "disconnected",
         "duration",
-        "inflight",
         "input_tokens",
         "itl",
         "output_tokens",
@@ -228,14 +221,13 @@ class _ModelSeries:
     )
 
     def __init__(self, m: FrontendMetrics, model: str) -> None:
-        self.inflight = m.inflight.labels(model)
+        self.active = m.active.labels(model)
         self.input_tokens = m.input_tokens.labels(model)
         self.ttft = m.ttft.labels(model)
         self.itl = m.itl.labels(model)
         self.output_tokens = m.output_tokens.labels(model)
         self.duration = m.duration.labels(model)
         self.output_tokens_hist = m.output_tokens_hist.labels(model)
-        self.cancellations = m.cancellations.labels(model)
         self.disconnected = m.disconnected.labels(model)
 
 
@@ -274,7 +266,7 @@ class RequestMetrics:
         self.model = model
         self.request_type = request_type
         series = self._series = self._m.series(model)
-        series.inflight.inc()
+        series.active.inc()
         series.input_tokens.observe(prompt_tokens)
 
     def tokens(self, n: int) -> None:
@@ -306,14 +298,12 @@ class RequestMetrics:
         series = self._series
         if series is None:
             return False  # never admitted: nothing else was started for it
-        series.inflight.dec()
+        series.active.dec()
         if self._output > self._counted:
             series.output_tokens.inc(self._output - self._counted)
             self._counted = self._output
         series.duration.observe(time.perf_counter() - self.started)
         series.output_tokens_hist.observe(self._output)
-        if status == "cancelled":
-            series.cancellations.inc()
         if disconnected:
             series.disconnected.inc()
         return True

@@ -58,23 +58,35 @@ class Ops:
         return error_response(ModelNotFound(f"The model `{model_id}` does not exist."))
 
     async def health(self) -> Response:
-        """200 when every backend endpoint is ready, else 503; the per-endpoint view either way
-        (Dynamo's shape: ``{"status": "ready"|"notready", "endpoints": {...}, "uptime": s}``)."""
+        """Readiness: 200 while every served model can serve (a routable worker for each role
+        its mode needs), else 503; each model's workers either way (``{"status": "ready" |
+        "notready", "models": {name: {"status", "reason", "workers": {id: {"role",
+        "state"}}}}, "uptime": s}``)."""
         try:
-            endpoints = {str(k): str(v) for k, v in self.backend.health().items()}
+            models = dict(self.backend.health())
         except Exception as exc:
             log.error("backend health check failed", exc_info=exc)
-            endpoints = {}
-        ready = bool(endpoints) and all(v == "ready" for v in endpoints.values())
+            models = {}
+        ready = bool(models) and all(m.ready for m in models.values())
         body = {
             "status": "ready" if ready else "notready",
-            "endpoints": endpoints,
+            "models": {
+                name: {
+                    "status": "ready" if m.ready else "notready",
+                    "reason": m.reason,
+                    "workers": {
+                        wid: {"role": w.role, "state": w.state} for wid, w in m.workers.items()
+                    },
+                }
+                for name, m in models.items()
+            },
             "uptime": self._uptime(),
         }
         return json_response(body, 200 if ready else 503)
 
     async def live(self) -> Response:
-        """Always 200 while the process serves HTTP."""
+        """Liveness: 200 whenever the root's event loop answers, whatever its workers do (a
+        failing liveness probe restarts the pod, which no worker's state should cause)."""
         return json_response({"status": "live", "uptime": self._uptime()})
 
     async def metrics(self) -> Response:

@@ -11,6 +11,9 @@ Neither lets a client hold the server: a connection must send a request's header
 in), an idle one is closed after ``keep_alive_timeout_s``, and on uvicorn connections past
 ``max_connections`` are closed as they come, so idle sockets cannot use up the process's
 descriptors.
+
+With :class:`TlsFiles` both serve HTTPS on the same socket (TLS 1.2 or later, as each server's
+defaults have it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import math
 import resource
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Iterator
 from typing import cast
 
@@ -32,9 +36,32 @@ from hypercorn.typing import ASGIFramework
 from hypercorn.utils import wrap_app
 from starlette.types import ASGIApp
 
-__all__ = ["serve"]
+__all__ = ["DEFAULT_HEADER_TIMEOUT_S", "TlsFiles", "serve"]
 
 log = logging.getLogger("actorserve.frontend.http")
+
+#: Seconds a connection has to send a request's headers.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+
+
+@attrs.frozen
+class TlsFiles:
+    """A PEM certificate (chain) and its private key, for HTTPS."""
+
+    certfile: str
+    keyfile: str
+
+    def check(self) -> None:
+        """Load the pair once, so that a bad one fails (``ValueError``) before anything starts
+        rather than in the server."""
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                self.certfile, self.keyfile
+            )
+        except OSError as exc:  # ssl.SSLError too; neither names the files
+            raise ValueError(
+                f"TLS certificate {self.certfile} with key {self.keyfile}: {exc}"
+            ) from None
 
 
 def default_max_connections() -> int:
@@ -127,14 +154,20 @@ def _hypercorn_config(
     return config
 
 
-async def _hypercorn(app: ASGIApp, sock: socket.socket, stop: anyio.Event, limits: _Limits) -> None:
+async def _hypercorn(
+    app: ASGIApp, sock: socket.socket, stop: anyio.Event, limits: _Limits, tls: TlsFiles | None
+) -> None:
     from hypercorn.trio.run import worker_serve
 
     config = _hypercorn_config(
         limits.graceful_timeout_s, limits.keep_alive_timeout_s, limits.header_timeout_s
     )
     config.backlog = limits.backlog
-    sockets = Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[])
+    if tls is None:
+        sockets = Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[])
+    else:
+        config.certfile, config.keyfile = tls.certfile, tls.keyfile
+        sockets = Sockets(secure_sockets=[sock], insecure_sockets=[], quic_sockets=[])
     # Starlette's and hypercorn's ASGI type aliases describe the same callable differently.
     wrapped = wrap_app(cast(ASGIFramework, app), config.wsgi_max_body_size, "asgi")
     # worker_serve takes ready-made sockets (the public serve() only bind strings), which is
@@ -142,7 +175,9 @@ async def _hypercorn(app: ASGIApp, sock: socket.socket, stop: anyio.Event, limit
     await worker_serve(wrapped, config, sockets=sockets, shutdown_trigger=stop.wait)
 
 
-async def _uvicorn(app: ASGIApp, sock: socket.socket, stop: anyio.Event, limits: _Limits) -> None:
+async def _uvicorn(
+    app: ASGIApp, sock: socket.socket, stop: anyio.Event, limits: _Limits, tls: TlsFiles | None
+) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -164,6 +199,8 @@ async def _uvicorn(app: ASGIApp, sock: socket.socket, stop: anyio.Event, limits:
         # uvicorn counts both in whole seconds.
         timeout_keep_alive=math.ceil(limits.keep_alive_timeout_s),
         timeout_graceful_shutdown=math.ceil(limits.graceful_timeout_s),
+        ssl_certfile=None if tls is None else tls.certfile,
+        ssl_keyfile=None if tls is None else tls.keyfile,
     )
     server = Server(config)
 
@@ -190,7 +227,7 @@ class _Limits:
     backlog: int
 
 
-Runner = Callable[[ASGIApp, socket.socket, anyio.Event, _Limits], Awaitable[None]]
+Runner = Callable[[ASGIApp, socket.socket, anyio.Event, _Limits, TlsFiles | None], Awaitable[None]]
 
 
 async def serve(
@@ -200,12 +237,14 @@ async def serve(
     *,
     graceful_timeout_s: float = 5.0,
     keep_alive_timeout_s: float = 5.0,
-    header_timeout_s: float = 10.0,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
     max_connections: int | None = None,
     backlog: int = 1024,
+    tls: TlsFiles | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` over HTTP on ``host:port`` until cancelled, then shut down gracefully.
+    """Serve ``app`` over HTTP (HTTPS with ``tls``) on ``host:port`` until cancelled, then shut
+    down gracefully.
 
     Binds before reporting: ``task_status.started(port)`` gives the bound port (useful with
     ``port=0``), so ``await tg.start(serve, app)`` returns once connections are accepted.
@@ -233,7 +272,7 @@ async def serve(
         async def run() -> None:
             try:
                 with shield:
-                    await runner(app, sock, stop, limits)
+                    await runner(app, sock, stop, limits, tls)
             finally:
                 stopped.set()
 

@@ -39,11 +39,14 @@ class SSEWriter:
     one. ``disconnected`` tells whether the client went away (the producer is then cancelled).
     """
 
-    __slots__ = ("_ended", "_scope", "_send", "_started", "_wake", "disconnected")
+    __slots__ = ("_ended", "_extra", "_scope", "_send", "_started", "_wake", "disconnected")
 
-    def __init__(self, send: Send, scope: anyio.CancelScope) -> None:
+    def __init__(
+        self, send: Send, scope: anyio.CancelScope, extra: list[tuple[bytes, bytes]]
+    ) -> None:
         self._send = send
         self._scope = scope
+        self._extra = extra  # headers added to the stream's or the error response's
         # Flags, not events: only the pings wait for them (with an event of their own).
         self._started = False
         self._ended = False
@@ -52,13 +55,14 @@ class SSEWriter:
 
     async def start(self, head: Response | None = None) -> None:
         if head is None:
-            await self._write({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+            headers = [*_HEADERS, *self._extra] if self._extra else _HEADERS
+            await self._write({"type": "http.response.start", "status": 200, "headers": headers})
             self._started = True
             self._notify()
             return
         self._end()
         start = {"type": "http.response.start", "status": head.status_code}
-        await self._write({**start, "headers": head.raw_headers})
+        await self._write({**start, "headers": [*head.raw_headers, *self._extra]})
         await self._write({"type": "http.response.body", "body": head.body, "more_body": False})
 
     async def send(self, frames: bytes) -> None:
@@ -137,7 +141,9 @@ class SSEResponse(Response):
     """
 
     def __init__(self, produce: Producer, *, ping_s: float = 0.0) -> None:
-        # Starlette's Response.__init__ would render a body and headers we never use.
+        # Starlette's Response.__init__ would render a body and headers we never use; here,
+        # raw_headers are those added to whatever is sent: the stream, or an error response.
+        self.raw_headers = []
         self.status_code = 200
         self.background = None
         self._produce = produce
@@ -156,7 +162,7 @@ class SSEResponse(Response):
         # times as much CPU as the rest of this method (measured), for one helper that never
         # raises. It never outlives the response: cancelled (if still waiting) and awaited.
         with anyio.CancelScope() as scope:
-            writer = SSEWriter(send, scope)
+            writer = SSEWriter(send, scope, self.raw_headers)
             watcher = asyncio.get_running_loop().create_task(writer._watch(receive))
             try:
                 await self._produce(writer)
@@ -170,7 +176,7 @@ class SSEResponse(Response):
     async def _run_in_task_group(self, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as tg:
-                writer = SSEWriter(send, tg.cancel_scope)
+                writer = SSEWriter(send, tg.cancel_scope, self.raw_headers)
                 tg.start_soon(writer._watch, receive)
                 if self._ping_s != math.inf:
                     tg.start_soon(writer._ping, self._ping_s)

@@ -36,7 +36,15 @@ The types, each in one line:
 """
 
 from actors.serving.requests._admission import Admission
+from actors.serving.requests._metrics import declare_model
 from actors.serving.requests._outputs import RequestOutputs, open_request
 from actors.serving.requests._request import RequestStream, StreamOptions
 
-__all__ = ["Admission", "RequestOutputs", "RequestStream", "StreamOptions", "open_request"]
+__all__ = [
+    "Admission",
+    "RequestOutputs",
+    "RequestStream",
+    "StreamOptions",
+    "declare_model",
+    "open_request",
+]

@@ -19,7 +19,12 @@ import attrs
 import msgspec
 
 from actors import ActorError, ActorRef, ReplyStream
-from actors.serving.requests._metrics import LIVE_MIGRATIONS, MIGRATION_SECONDS
+from actors.serving.requests._metrics import (
+    CACHED_TOKENS,
+    LIVE_MIGRATIONS,
+    MIGRATION_SECONDS,
+    PROMPT_TOKENS,
+)
 from actors.serving.routing import Routed
 from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, Usage
 from protocols.errors import (
@@ -150,6 +155,11 @@ class Attempt:
         progress.generated.extend(output.token_ids)
         if output.finish_reason is not None:
             self.finished = True
+            usage = output.usage
+            if usage is not None and usage.cached_tokens is not None:
+                worker = self.routed.worker_id
+                PROMPT_TOKENS.labels(worker).inc(usage.prompt_tokens)
+                CACHED_TOKENS.labels(worker).inc(usage.cached_tokens)
             return _final(output, progress.original, progress.generated)
         return output if output.token_ids else None
 

@@ -1,4 +1,6 @@
-"""The request streams' metrics (migrations, hand-overs, fallbacks, cancellations)."""
+"""The request streams' metrics (migrations, hand-overs, fallbacks, cancellations, prefix-cache
+hits), named as Dynamo's frontend names them (``dynamo_frontend_model_migration_total``, ...):
+the request streams run in the root, behind its HTTP frontend."""
 
 from __future__ import annotations
 
@@ -7,41 +9,44 @@ from prometheus_client import Counter, Histogram
 from actors.telemetry import REGISTRY
 
 __all__ = [
+    "CACHED_TOKENS",
     "CANCELLATIONS",
     "FALLBACKS",
     "LIVE_MIGRATIONS",
     "LIVE_MIGRATIONS_AHEAD",
     "MIGRATIONS",
     "MIGRATION_SECONDS",
+    "PROMPT_TOKENS",
+    "declare_model",
 ]
 
 MIGRATIONS = Counter(
-    "actorserve_migration",
+    "actorserve_frontend_model_migration",
     "Requests re-dispatched to another worker.",
-    ["model", "type"],
+    ["model", "migration_type"],
     registry=REGISTRY,
 )
 MIGRATION_SECONDS = Histogram(
-    "actorserve_migration_duration_seconds",
+    "actorserve_frontend_model_migration_duration_seconds",
     "From the failure to the first output of the new worker (or the terminal error).",
-    ["model", "type", "outcome"],
+    ["model", "migration_type", "outcome"],
     registry=REGISTRY,
 )
 FALLBACKS = Counter(
-    "actorserve_decode_only_fallback",
+    "actorserve_frontend_decode_only_fallback",
     "Disaggregated requests served by a decode worker alone (no prefill worker routable).",
     ["model"],
     registry=REGISTRY,
 )
 LIVE_MIGRATIONS = Counter(
-    "actorserve_live_migration",
+    "actorserve_frontend_model_live_migration",
     "Requests a draining decode worker handed over with their KV: continued on the new worker "
     "(success) or replayed from their tokens instead (fallback).",
     ["model", "outcome"],
     registry=REGISTRY,
 )
 LIVE_MIGRATIONS_AHEAD = Counter(
-    "actorserve_live_migration_ahead",
+    "actorserve_frontend_model_live_migration_ahead",
     "Live migrations sent to the next worker as the drain began, while the draining worker's "
     "last step still ran: taken by the migration, or dropped (the request ended at that step, "
     "or went elsewhere).",
@@ -49,5 +54,34 @@ LIVE_MIGRATIONS_AHEAD = Counter(
     registry=REGISTRY,
 )
 CANCELLATIONS = Counter(
-    "actorserve_cancellation", "Requests cancelled by their client.", ["model"], registry=REGISTRY
+    "actorserve_frontend_model_cancellation",
+    "Requests cancelled by their client (or the server's shutdown) before they finished.",
+    ["model"],
+    registry=REGISTRY,
 )
+PROMPT_TOKENS = Counter(
+    "actorserve_worker_prompt_tokens",
+    "Prompt tokens of the requests a worker finished, as its engine counted them.",
+    ["worker"],
+    registry=REGISTRY,
+)
+CACHED_TOKENS = Counter(
+    "actorserve_worker_cached_tokens",
+    "Of those prompt tokens, the ones served from the worker's prefix cache (the hit ratio is "
+    "rate(cached) / rate(prompt)).",
+    ["worker"],
+    registry=REGISTRY,
+)
+
+
+def declare_model(model: str) -> None:
+    """Export the model's counters at 0 before their first event, so that ``rate()`` and
+    ``increase()`` see that first event (a series that appears at 1 shows no increase)."""
+    for migration_type in ("new_request", "ongoing_request"):
+        MIGRATIONS.labels(model, migration_type)
+    CANCELLATIONS.labels(model)
+    FALLBACKS.labels(model)
+    for outcome in ("success", "fallback"):
+        LIVE_MIGRATIONS.labels(model, outcome)
+    for outcome in ("taken", "dropped"):
+        LIVE_MIGRATIONS_AHEAD.labels(model, outcome)

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import attrs
+import structlog
 
 from actors import ActorError, ActorRef, AskTimeout, Call
 from actors.serving.requests._admission import Admission
@@ -89,6 +90,7 @@ class RequestOutputs:
         "_streams",
         "_timeout",
         "deadline",
+        "log_context",
         "owner",
         "request",
     )
@@ -109,6 +111,8 @@ class RequestOutputs:
         self._attempt: Attempt | None = None
         self._error: BaseException | None = None  # found by next_nowait, for __anext__
         self._closed = False
+        # The caller's structlog context (the request's id), for the stream actor's lines.
+        self.log_context = structlog.contextvars.get_contextvars()
 
     async def _start(self) -> Attempt:
         # The actor starts with the request in its mailbox: it routes and sends it to the

@@ -120,6 +120,10 @@ class RequestStream(Actor):
         if self._progress is not None:
             raise ReplyError("a request stream serves one request")
         outputs.owner = self.ref  # from now on its consumer tells us when it gives up
+        # Every line this actor's task logs is about this request: each carries its ids.
+        structlog.contextvars.bind_contextvars(
+            **{**outputs.log_context, "rid": outputs.request.rid}
+        )
         if outputs.closed:  # it gave up before we ran
             self._finish(cancelled=True)
             raise ReplyError("the request was cancelled before it started")
@@ -278,7 +282,7 @@ class RequestStream(Actor):
             # The live migration failed before its first output (no room, transfer failed,
             # ...): the same migration goes on as a token replay.
             LIVE_MIGRATIONS.labels(opts.model, "fallback").inc()
-            _log.info("live migration failed", rid=original.rid, error=error.code)
+            _log.info("live migration failed", error=error.code)
             self._release(progress.live)
             progress.live = None
             return continuation(original, generated, f"{request.rid}r")
@@ -308,7 +312,6 @@ class RequestStream(Actor):
             self._excluded = (routed.worker_id,)
         _log.info(
             "migrating request",
-            rid=original.rid,
             worker=routed.worker_id if routed else None,
             error=error.code,
             generated=len(generated),
@@ -405,7 +408,9 @@ class RequestStream(Actor):
             # time to first token) goes out with the decode request, a task switch sooner.
             outputs = routed.engine.stream(prefill_request, buffer=4)
         except ActorError as exc:  # on the decode side, a (migratable) KV transfer error
-            _log.info("prefill failed", rid=request.rid, worker=routed.worker_id, error=str(exc))
+            _log.info(
+                "prefill failed", attempt=request.rid, worker=routed.worker_id, error=str(exc)
+            )
             self._done(routed)
             return decode, decode_request, None
         return decode, decode_request, Prefill(routed, outputs)
@@ -428,7 +433,7 @@ class RequestStream(Actor):
                 async for _ in outputs:
                     pass
         except (RequestError, ActorError) as exc:
-            _log.info("prefill failed", rid=rid, worker=routed.worker_id, error=str(exc))
+            _log.info("prefill failed", attempt=rid, worker=routed.worker_id, error=str(exc))
         finally:
             self._done(routed)
 

@@ -6,7 +6,12 @@ workers; :class:`ControlServer` and :class:`ControlApi` are the local control so
 token-protected HTTP control API.
 """
 
-from actors.serving.root._config import DEFAULT_MODEL_NAMES, ServeConfig, load_config
+from actors.serving.root._config import (
+    DEFAULT_MODEL_NAMES,
+    ServeConfig,
+    load_config,
+    read_config_file,
+)
 from actors.serving.root._control import ControlServer, find_control_socket, request_tree
 from actors.serving.root._control_api import ControlApi, control_app, load_token
 from actors.serving.root._lifecycle import (
@@ -48,6 +53,7 @@ __all__ = [
     "find_control_socket",
     "load_config",
     "load_token",
+    "read_config_file",
     "request_tree",
     "run_root",
     "serving_children",

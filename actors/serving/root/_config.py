@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 import cattrs
+from cattrs.v import format_exception
 
-from actors.serving.frontend import check_parser_names
+from actors.serving.frontend import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    check_parser_names,
+)
 from actors.serving.worker import BACKENDS, BackendName, engine_backend
 
-__all__ = ["DEFAULT_MODEL_NAMES", "ServeConfig", "load_config"]
+__all__ = ["DEFAULT_MODEL_NAMES", "ServeConfig", "load_config", "read_config_file"]
 
 DEFAULT_MODEL_NAMES = {name: b.default_model for name, b in BACKENDS.items() if not b.model_args}
 """The served model name when the config gives none (SGLang: its ``served_model_name`` or
@@ -62,6 +68,17 @@ class ServeConfig:
     # How chat answers are read for tool calls and for reasoning (SGLang's and vLLM's names).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # Keys the OpenAI endpoints require, with those in api_key_file (none at all: no key needed).
+    api_key: list[str] = attrs.field(factory=list)
+    api_key_file: str | None = None
+    # Which of live, health and metrics need a key too (open by default, for probes and scrapers).
+    api_key_protects: list[str] = attrs.field(factory=list)
+    # HTTPS: a PEM certificate (chain) and its private key, both or neither.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    # Slow or large clients: a bigger body gets a 413, headers later than this a closed socket.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
 
     def __attrs_post_init__(self) -> None:
         if not self.model:
@@ -75,6 +92,10 @@ class ServeConfig:
             raise ValueError("migration_limit must be >= 0")
         if self.quarantine_cooldown < 0:
             raise ValueError("quarantine_cooldown must be >= 0")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
+        if self.api_key_protects and not (self.api_key or self.api_key_file):
+            raise ValueError("api_key_protects needs an API key (api_key or api_key_file)")
         check_parser_names(self.tool_call_parser, self.reasoning_parser)
 
     def default_model(self) -> str:
@@ -85,17 +106,27 @@ class ServeConfig:
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConfig:
-    """The config from ``path`` (``.toml``, ``.yaml``/``.yml``) with ``overrides`` on top."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        if str(path).endswith((".yaml", ".yml")):
-            import yaml
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The settings in the config file ``path`` (``.toml``, ``.yaml``/``.yml``)."""
+    text = Path(path).read_text()
+    if not str(path).endswith((".yaml", ".yml")):
+        return tomllib.loads(text)
+    import yaml
 
-            data = yaml.safe_load(text) or {}
-        else:
-            data = tomllib.loads(text)
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings")
+    return data
+
+
+def load_config(
+    path: str | Path | None, overrides: dict[str, Any], *, skip: Collection[str] = ()
+) -> ServeConfig:
+    """The config from ``path`` (``.toml``, ``.yaml``/``.yml``) with ``overrides`` on top;
+    ``skip``: the file's keys that are not the config's (the command line's own options)."""
+    data = read_config_file(path) if path is not None else {}
+    for key in skip:
+        data.pop(key, None)
     data.update({k: v for k, v in overrides.items() if v is not None})
     # Checked before structuring: cattrs would hide the message listing the known names.
     tool, reasoning = data.get("tool_call_parser"), data.get("reasoning_parser")
@@ -105,4 +136,9 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConf
     try:
         return _converter.structure(data, ServeConfig)
     except cattrs.BaseValidationError as exc:
-        raise ValueError("; ".join(cattrs.transform_error(exc))) from None
+        raise ValueError("; ".join(cattrs.transform_error(exc, format_exception=_say))) from None
+
+
+def _say(exc: BaseException, type_: type | None) -> str:
+    """A check of ServeConfig's own in its words (cattrs' would be "invalid value")."""
+    return str(exc) if type(exc) is ValueError else format_exception(exc, type_)

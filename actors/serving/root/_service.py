@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Mapping
 
 from prometheus_client import CollectorRegistry
 
-from actors.serving.frontend import Backend, EndpointStatus, ModelInfo
+from actors.serving.frontend import Backend, ModelHealth, ModelInfo, WorkerHealth
 from actors.serving.requests import Admission, open_request
 from actors.serving.routing import RoutingTable
 from protocols.engine import EngineOutput, PreprocessedRequest
@@ -46,9 +46,20 @@ class ModelService(Backend):
             self.streams, self.table, self.admission, request, timeout=self.request_timeout
         )
 
-    def health(self) -> Mapping[str, EndpointStatus]:
-        ready = self.admission.ready and self.table.serving()
-        return {"generate": "ready" if ready else "notready"}
+    def health(self) -> Mapping[str, ModelHealth]:
+        states = self.table.states()
+        workers = {wid: WorkerHealth(role, state) for wid, (role, state) in states.items()}
+        # Ready while each role the mode needs has a routable worker: one restarting decode
+        # worker among several must not take the whole root out of a load balancer.
+        missing = sorted(
+            {r for r, _ in states.values()} - {r for r, s in states.values() if s == "ready"}
+        )
+        reason: str | None = None
+        if not self.admission.ready:
+            reason = "shutting down"
+        elif missing:
+            reason = "no routable " + " or ".join(missing) + " worker"
+        return {self.model.name: ModelHealth(reason is None, reason, workers)}
 
     def metrics_registry(self) -> CollectorRegistry | None:
         return None

@@ -57,8 +57,8 @@ class Watchdog:
 
 
 def hard_deadline(budgets: Budgets) -> float:
-    """All stage budgets plus a margin."""
-    return budgets.grace + budgets.drain + budgets.transfers + budgets.cleanup + 10.0
+    """All stage budgets plus a margin (for the handover past the drain budget)."""
+    return budgets.grace + budgets.drain + budgets.transfers + budgets.cleanup + 5.0
 
 
 async def shutdown_serving(serving: Serving, budgets: Budgets) -> None:

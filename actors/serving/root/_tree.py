@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 from actors import Actor, current_registry
 from actors.process import ProcessOptions, default_loop, preload
 from actors.serving.frontend import (
+    ApiKeys,
     ByteTokenizer,
     HFTokenizer,
     ModelInfo,
+    TlsFiles,
     Tokenizer,
     create_app,
+    read_key_file,
     serve,
 )
-from actors.serving.requests import Admission, RequestStream, StreamOptions
+from actors.serving.requests import Admission, RequestStream, StreamOptions, declare_model
 from actors.serving.root._config import ServeConfig
 from actors.serving.root._service import ModelService
 from actors.serving.routing import Role, RoutingTable
@@ -66,6 +70,16 @@ class Serving:
             preload(list(backend.preload))
         self.port: int | None = None
         self.admission = Admission()
+        # Keys and certificates are read here, once, so that a bad file fails before any worker
+        # starts rather than in the frontend (which would restart on it).
+        keys = list(config.api_key)
+        if config.api_key_file is not None:
+            keys += read_key_file(config.api_key_file)
+        self.api_keys = ApiKeys(keys, config.api_key_protects) if keys else None
+        self.tls: TlsFiles | None = None
+        if config.ssl_certfile is not None and config.ssl_keyfile is not None:
+            self.tls = TlsFiles(config.ssl_certfile, config.ssl_keyfile)
+            self.tls.check()
 
     @property
     def streams_name(self) -> str:
@@ -155,8 +169,23 @@ class Frontend(Actor):
             serving.admission,
             request_timeout=cfg.request_timeout,
         )
-        app = create_app(service, REGISTRY, max_inflight=cfg.max_inflight)
-        serving.port = await self.task_group.start(serve, app, cfg.host, cfg.port)
+        app = create_app(
+            service,
+            REGISTRY,
+            max_inflight=cfg.max_inflight,
+            max_body_bytes=cfg.max_body_bytes,
+            api_keys=serving.api_keys,
+        )
+        serving.port = await self.task_group.start(
+            partial(
+                serve,
+                app,
+                cfg.host,
+                cfg.port,
+                header_timeout_s=cfg.header_timeout,
+                tls=serving.tls,
+            )
+        )
 
 
 def _pool(serving: Serving, role: str) -> ChildSpec:
@@ -218,6 +247,7 @@ def build_tree(serving: Serving) -> list[ChildSpec]:
         request_timeout=cfg.request_timeout,
         router=cfg.router,
     )
+    declare_model(options.model)
 
     def stream() -> RequestStream:
         return RequestStream(serving.table, options)

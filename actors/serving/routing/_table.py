@@ -16,6 +16,7 @@ import anyio
 import attrs
 
 from actors import ActorError, ActorRef
+from actors.serving.frontend import WorkerState
 from protocols import control
 from protocols.engine import BootstrapInfo, Capacity, MemoryTag
 from protocols.errors import NoWorkerAvailable
@@ -86,6 +87,25 @@ class RoutingTable:
         decode, or aggregated) has a routable worker. A prefill worker alone serves nothing."""
         routable = {w.role for w in self.workers.values() if w.routable}
         return bool(self._roles) and routable >= set(self._roles.values())
+
+    def states(self) -> dict[str, tuple[Role, WorkerState]]:
+        """Each configured worker's role and state: ``ready`` (routable), ``restarting`` (not
+        registered, or its engine not running), ``draining`` (out of routing on purpose) or
+        ``out_of_service`` (failing its canaries)."""
+        out: dict[str, tuple[Role, WorkerState]] = {}
+        for worker_id, role in self._roles.items():
+            entry = self.workers.get(worker_id)
+            state: WorkerState
+            if entry is None or not entry.engine.is_running:
+                state = "restarting"
+            elif entry.draining:
+                state = "draining"
+            elif not entry.healthy:
+                state = "out_of_service"
+            else:
+                state = "ready"
+            out[worker_id] = (role, state)
+        return out
 
     async def wait_routable(self, count: int = 1, role: Role | None = None) -> None:
         """Return once at least ``count`` workers (of ``role``, if given) are routable."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import structlog
 
 from actors import Actor, ExitReason, ReplyError
 from actors.serving.errors import InjectedCrash
@@ -32,6 +33,8 @@ from protocols.engine import (
 from protocols.errors import EngineShutdown, RequestError, WorkerDraining
 
 __all__ = ["EngineHost", "InjectedCrash"]
+
+_log = structlog.get_logger("actorserve.worker")
 
 
 class EngineHost(Actor):
@@ -73,6 +76,8 @@ class EngineHost(Actor):
             await self._close_bridge()
             await self.engine.cleanup()
             raise
+        # In the engine's own process: its pid ties the worker to what ps and the kernel say.
+        _log.info("engine started", worker=self.worker_id, role=self.engine.role, pid=os.getpid())
 
     async def stopping(self, reason: ExitReason) -> None:
         await self._close_bridge()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from actors import Actor, ActorRef, current_registry
 from actors.serving.worker._subscribe import KvEventSubscriber, KvMetricsSubscriber
@@ -24,8 +24,9 @@ _labels = ["worker", "dp_rank"]
 TOTAL_BLOCKS = Gauge(
     "actorserve_worker_total_blocks", "KV blocks of the engine.", _labels, registry=REGISTRY
 )
+# A ratio named for no device, since mock and HF workers keep their KV cache on the CPU.
 CACHE_USAGE = Gauge(
-    "actorserve_worker_gpu_cache_usage_percent",
+    "actorserve_worker_kv_cache_usage_ratio",
     "Fraction of KV blocks in use (0-1).",
     _labels,
     registry=REGISTRY,
@@ -34,13 +35,7 @@ ACTIVE = Gauge("actorserve_worker_active_requests", "Requests running.", _labels
 WAITING = Gauge(
     "actorserve_worker_waiting_requests", "Requests queued.", _labels, registry=REGISTRY
 )
-HIT_RATE = Gauge(
-    "actorserve_worker_prefix_cache_hit_rate",
-    "Prefix cache hit rate (0-1).",
-    _labels,
-    registry=REGISTRY,
-)
-KV_EVENTS = Gauge(
+KV_EVENTS = Counter(
     "actorserve_worker_kv_event_batches", "KV event batches received.", _labels, registry=REGISTRY
 )
 
@@ -105,15 +100,13 @@ class Publisher(Actor):
                 if series is None:
                     labels = (self.worker_id, str(rank))
                     series = gauges[rank] = tuple(
-                        g.labels(*labels)
-                        for g in (TOTAL_BLOCKS, CACHE_USAGE, ACTIVE, WAITING, HIT_RATE)
+                        g.labels(*labels) for g in (TOTAL_BLOCKS, CACHE_USAGE, ACTIVE, WAITING)
                     )
-                total, usage, active, waiting, hit_rate = series
+                total, usage, active, waiting = series
                 total.set(metrics.kv_total_blocks)
                 usage.set(metrics.gpu_cache_usage_perc)
                 active.set(metrics.request_active_slots)
                 waiting.set(metrics.num_requests_waiting)
-                hit_rate.set(metrics.gpu_prefix_cache_hit_rate)
                 if self.sink is not None:
                     self.sink.load(self.worker_id, rank, metrics)
 

@@ -1,0 +1,101 @@
+"""``actorserve run``'s options from the command line, the environment (``ACTORSERVE_<NAME>``)
+and the config file, in that order of precedence; ``actorserve --version``."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import actors.serving.root
+from actors.serving import ServeConfig, cli
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What ``run`` would start with (the logging setup, the config, the shutdown budgets),
+    recorded instead of starting a root."""
+    seen: dict[str, Any] = {}
+    load = actors.serving.root.load_config
+
+    def load_config(*args: Any, **kwargs: Any) -> ServeConfig:
+        seen["config"] = load(*args, **kwargs)
+        return seen["config"]
+
+    def budgets(**kwargs: Any) -> None:
+        seen["budgets"] = kwargs
+
+    monkeypatch.setattr(actors.serving.root, "load_config", load_config)
+    monkeypatch.setattr(cli, "Budgets", budgets)
+    monkeypatch.setattr(cli, "configure_logging", lambda *log: seen.setdefault("log", log))
+    monkeypatch.setattr(cli, "run_on", lambda loop, main: None)
+    return seen
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> None:
+    result = CliRunner().invoke(cli.app, ["run", "--backend", "mock", *args], env=env)
+    assert result.exit_code == 0, result.output
+
+
+def test_version() -> None:
+    result = CliRunner().invoke(cli.app, ["--version"])
+    assert result.exit_code == 0
+    assert result.output == f"actorserve {version('actorserve')}\n"
+
+
+def test_an_environment_variable_sets_an_option(started: dict[str, Any]) -> None:
+    env = {"ACTORSERVE_MIGRATION_LIMIT": "5", "ACTORSERVE_LOG_FORMAT": "json"}
+    env["ACTORSERVE_DRAIN_BUDGET"] = "12.5"
+    _run(env=env)
+    assert started["config"].migration_limit == 5
+    assert started["log"] == ("warning", "json")
+    assert started["budgets"]["drain"] == 12.5
+
+
+def test_flag_beats_environment_beats_config_file(started: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "serve.toml"
+    # A field of the config (migration_limit), options the command line alone has (log_level,
+    # grace_period, drain_budget), and a field with no option at all (stall_timeout).
+    path.write_text(
+        "migration_limit = 1\nlog_level = 'info'\ngrace_period = 4.0\ndrain_budget = 9.0\n"
+        "stall_timeout = 7.0\n"
+    )
+    env = {"ACTORSERVE_MIGRATION_LIMIT": "2", "ACTORSERVE_LOG_LEVEL": "error"}
+    env["ACTORSERVE_GRACE_PERIOD"] = "3.0"
+    _run("--config", str(path), "--migration-limit", "3", "--grace-period", "1.0", env=env)
+    config = started["config"]
+    assert config.migration_limit == 3  # flag over environment over file
+    assert started["budgets"]["grace"] == 1.0  # flag over environment over file
+    assert started["log"] == ("error", "console")  # environment over file
+    assert started["budgets"]["drain"] == 9.0  # file over default
+    assert config.stall_timeout == 7.0
+
+
+def test_the_config_file_comes_from_the_environment_too(
+    started: dict[str, Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("log_format: json\nmigration_limit: 4\n")
+    _run(env={"ACTORSERVE_CONFIG": str(path)})
+    assert started["config"].migration_limit == 4
+    assert started["log"] == ("warning", "json")
+
+
+def test_a_typo_in_the_config_file_is_still_refused(
+    started: dict[str, Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "serve.toml"
+    path.write_text("migration_limt = 1\n")
+    result = CliRunner().invoke(cli.app, ["run", "--backend", "mock", "--config", str(path)])
+    assert result.exit_code == 2
+    assert "migration_limt" in result.output
+
+
+def test_a_bad_log_format_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "run_on", lambda loop, main: None)
+    result = CliRunner().invoke(cli.app, ["run", "--backend", "mock", "--log-format", "xml"])
+    assert result.exit_code == 2
+    assert "xml" in result.output
