@@ -26,7 +26,12 @@ pytest_plugins = ["tests.helpers.fixtures"]
 
 # A temporary directory for this run alone (child processes inherit it): whatever appears in it
 # during a test and stays after it is a leak (a socket file of a killed process, say).
-_TMP = tempfile.mkdtemp(prefix="actorserve-tests-")
+# pytest-xdist's workers inherit the controller's TMPDIR: each makes its directory beside the
+# controller's, not inside it, where ipc:// socket paths would pass their 107-character limit.
+_TMP = tempfile.mkdtemp(
+    prefix="actorserve-tests-",
+    dir=os.environ.setdefault("ACTORSERVE_TESTS_TMPROOT", tempfile.gettempdir()),
+)
 os.environ["TMPDIR"] = tempfile.tempdir = _TMP
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 # The roots' private run directories (control socket, token) live here too: a root's directory
