@@ -32,6 +32,13 @@ FORMAT: Any = {  # (Any: the openai client's TypedDicts)
     "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True},
 }
 MESSAGES: Any = [{"role": "user", "content": "Describe a pet."}]
+ASK: Any = {  # every seeded request's arguments but its seed
+    "model": "mock",
+    "messages": MESSAGES,
+    "response_format": FORMAT,
+    "temperature": 1.0,
+    "max_tokens": 2000,
+}
 
 
 @OPENAI_STREAMS
@@ -44,29 +51,14 @@ async def test_a_hundred_seeded_answers_all_validate_streamed_and_not() -> None:
             answers: dict[int, str] = {}
 
             async def unary(seed: int) -> None:
-                answer = await client.chat.completions.create(
-                    model="mock",
-                    messages=MESSAGES,
-                    response_format=FORMAT,
-                    seed=seed,
-                    temperature=1.0,
-                    max_tokens=2000,
-                )
+                answer = await client.chat.completions.create(**ASK, seed=seed)
                 choice = answer.choices[0]
                 assert choice.finish_reason == "stop", (seed, choice)
                 answers[seed] = choice.message.content or ""
 
             async def streamed(seed: int) -> None:
                 text, finish = "", None
-                stream = await client.chat.completions.create(
-                    model="mock",
-                    messages=MESSAGES,
-                    response_format=FORMAT,
-                    seed=seed,
-                    temperature=1.0,
-                    max_tokens=2000,
-                    stream=True,
-                )
+                stream = await client.chat.completions.create(**ASK, seed=seed, stream=True)
                 async for chunk in stream:
                     if chunk.choices:
                         text += chunk.choices[0].delta.content or ""

@@ -15,6 +15,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ._types import ToolSpec
+
 __all__ = ["EbnfBuilder", "alternatives", "literal"]
 
 _BASE = r"""sp ::= " "?
@@ -51,6 +53,17 @@ class EbnfBuilder:
     def __init__(self) -> None:
         self._rules: list[str] = []
         self._count = 0
+
+    def call(self, tools: Sequence[ToolSpec], arguments: str = "arguments") -> str:
+        """A rule for one call of one of ``tools``, ``{"name": ..., "<arguments>": {...}}``,
+        its arguments by the function's parameter schema; its name."""
+        calls = [
+            literal(f'{{"name": {_dump(t.name)}, {_dump(arguments)}: ')
+            + f" {self.value(t.parameters or {'type': 'object'})} "
+            + literal("}")
+            for t in tools
+        ]
+        return self.rule(alternatives(calls))
 
     def rule(self, expr: str, stem: str = "r") -> str:
         """A new rule for ``expr``; its name."""

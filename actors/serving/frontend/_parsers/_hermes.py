@@ -20,7 +20,7 @@ from typing import Any
 from protocols.engine import Grammar
 
 from ._base import ToolFormat, ToolParser, dump, tools_json
-from ._ebnf import EbnfBuilder, alternatives, literal
+from ._ebnf import EbnfBuilder, literal
 from ._types import ToolSpec
 
 __all__ = ["HermesFormat", "HermesParser"]
@@ -83,12 +83,6 @@ class HermesFormat(ToolFormat):
 
     def grammar(self, tools: Sequence[ToolSpec], *, parallel: bool) -> Grammar:
         b = EbnfBuilder()
-        calls = [
-            literal(f'{{"name": {dump(t.name)}, "arguments": ')
-            + f" {b.value(t.parameters or {'type': 'object'})} "
-            + literal("}")
-            for t in tools
-        ]
-        call = b.rule(f"{literal(OPEN + chr(10))} {alternatives(calls)} {literal(chr(10) + CLOSE)}")
+        call = b.rule(f"{literal(OPEN + chr(10))} {b.call(tools)} {literal(chr(10) + CLOSE)}")
         root = f'{call} ("\\n" {call})*' if parallel else call
         return Grammar(kind="ebnf", spec=b.grammar(root))

@@ -17,7 +17,7 @@ from typing import Any
 from protocols.engine import Grammar
 
 from ._base import ToolFormat, ToolParser, dump, tools_json
-from ._ebnf import EbnfBuilder, alternatives, literal
+from ._ebnf import EbnfBuilder
 from ._types import ToolSpec
 
 __all__ = ["Llama3Format", "Llama3Parser"]
@@ -94,12 +94,6 @@ class Llama3Format(ToolFormat):
 
     def grammar(self, tools: Sequence[ToolSpec], *, parallel: bool) -> Grammar:
         b = EbnfBuilder()
-        calls = [
-            literal(f'{{"name": {dump(t.name)}, "parameters": ')
-            + f" {b.value(t.parameters or {'type': 'object'})} "
-            + literal("}")
-            for t in tools
-        ]
-        call = b.rule(alternatives(calls))
+        call = b.call(tools, "parameters")
         root = f'{call} ("; " {call})*' if parallel else call
         return Grammar(kind="ebnf", spec=b.grammar(root))

@@ -15,7 +15,7 @@ from typing import Any
 from protocols.engine import Grammar
 
 from ._base import ToolFormat, ToolParser, dump
-from ._ebnf import EbnfBuilder, alternatives, literal
+from ._ebnf import EbnfBuilder
 from ._types import ToolSpec
 
 __all__ = ["MistralFormat", "MistralParser"]
@@ -127,12 +127,6 @@ class MistralFormat(ToolFormat):
     def grammar(self, tools: Sequence[ToolSpec], *, parallel: bool) -> Grammar:
         # The bare array: the marker is a special token a grammar's text cannot produce.
         b = EbnfBuilder()
-        calls = [
-            literal(f'{{"name": {dump(t.name)}, "arguments": ')
-            + f" {b.value(t.parameters or {'type': 'object'})} "
-            + literal("}")
-            for t in tools
-        ]
-        call = b.rule(alternatives(calls))
+        call = b.call(tools)
         root = f'"[" {call} ("," sp {call})* "]"' if parallel else f'"[" {call} "]"'
         return Grammar(kind="ebnf", spec=b.grammar(root))
