@@ -10,6 +10,7 @@ checked on text. Prompts are few and short: this file runs on two busy cores.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import uuid
@@ -201,6 +202,65 @@ async def test_openai_chat_names_paris(ref: Reference) -> None:
     assert "Paris" in answer, answer
     assert chat.choices[0].finish_reason == "stop"  # a complete sentence, then <|im_end|>
     assert chat.usage.prompt_tokens == len(ref.prompts[0])
+
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
+    },
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+
+
+async def test_choices_logprobs_and_a_json_schema_on_smollm2() -> None:
+    # The OpenAI features together on the real model, streamed and not: two sampled choices,
+    # each with its logprobs, each a JSON object of the schema.
+    async with serving_tree(**AGG) as tree:
+        args: Any = {
+            "model": tree.serving.config.model,
+            "messages": [{"role": "user", "content": "Name a city and its country."}],
+            "n": 2,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "temperature": 0.8,
+            "seed": 5,
+            "max_tokens": 80,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "place", "schema": CITY, "strict": True},
+            },
+        }
+
+        def ask() -> tuple[Any, dict[int, str], dict[int, int]]:
+            client = openai.OpenAI(base_url=f"{tree.url}/v1", api_key="unused", max_retries=0)
+            texts: dict[int, str] = {0: "", 1: ""}
+            logprobs: dict[int, int] = {0: 0, 1: 0}
+            try:
+                whole = client.chat.completions.create(**args)
+                for chunk in client.chat.completions.create(**args, stream=True):
+                    for choice in chunk.choices:
+                        texts[choice.index] += choice.delta.content or ""
+                        if choice.logprobs is not None and choice.logprobs.content:
+                            logprobs[choice.index] += len(choice.logprobs.content)
+                return whole, texts, logprobs
+            finally:
+                client.close()
+
+        whole, texts, logprobs = await anyio.to_thread.run_sync(ask)
+    assert [c.index for c in whole.choices] == [0, 1]
+    answers = [c.message.content for c in whole.choices] + list(texts.values())
+    for text in answers:
+        place = json.loads(text)
+        assert set(place) == {"city", "country"}, place
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop"
+        assert choice.logprobs is not None and choice.logprobs.content
+        assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
+    assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in whole.choices)
+    assert all(logprobs.values())
 
 
 async def test_decode_draws_the_first_token_itself_when_min_tokens_forbids_the_prefills(
