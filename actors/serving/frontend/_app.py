@@ -19,12 +19,13 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from protocols.engine import EngineOutput, PreprocessedRequest, Usage
-from protocols.errors import ModelNotFound, Overloaded, RequestError, StreamIncomplete
+from protocols.engine import EngineOutput
+from protocols.errors import ModelNotFound, Overloaded, RequestError
 
 from ._auth import ApiKeys
 from ._backend import Backend, ModelInfo
-from ._chunks import DONE_FRAME, ChatRenderer, CompletionRenderer, Renderer, error_frame
+from ._choices import Part, best, choice_parts, pump, usage_of
+from ._chunks import DONE_FRAME, ChatRenderer, CompletionRenderer, error_frame
 from ._door import Door, GenerationRoute
 from ._errors import (
     error_body,
@@ -38,7 +39,6 @@ from ._errors import (
 from ._mapping import (
     build_request,
     chat_prompt,
-    choice_requests,
     completion_prompts,
     guided_decoding,
     logit_bias,
@@ -54,17 +54,14 @@ from ._openai_types import (
     ModelList,
 )
 from ._ops import Ops
-from ._parsers import OutputParser, ParsedDelta, output_parser
+from ._parsers import output_parser
 from ._parsers._chat import tool_plan
-from ._pipeline import Choice
 from ._request_id import echoing, request_id_of
 from ._sse import SSEResponse, SSEWriter
 from ._streams import (
-    STREAM_ENDED,
     FrameQueue,
     aclose_quietly,
     next_output,
-    ready_output,
     until_disconnected,
 )
 
@@ -237,162 +234,6 @@ class _App(FastAPI):
         return self.openapi_schema
 
 
-class _Part:
-    """One choice of a request: its engine request, its state, its renderer, and the text it
-    begins with (the echoed prompt)."""
-
-    __slots__ = ("choice", "echo", "first", "parser", "preq", "renderer", "result")
-
-    def __init__(
-        self,
-        preq: PreprocessedRequest,
-        choice: Choice,
-        renderer: Renderer[Any],
-        echo: str,
-        *,
-        first: bool,
-    ) -> None:
-        self.preq = preq
-        self.choice = choice
-        self.renderer = renderer
-        self.echo = echo
-        self.first = first  # the first choice of its prompt (usage counts each prompt once)
-        self.result: tuple[str, str] | None = None  # the whole text and finish (non-streaming)
-        # Reads tool calls and reasoning out of a chat answer; None: plain text (the fast path).
-        self.parser: OutputParser | None = None
-
-    def delta(self) -> Callable[[str, str | None], bytes]:
-        """The frame of a text delta of this choice, and its finish reason on the last."""
-        renderer, choice, parser = self.renderer, self.choice, self.parser
-        if parser is not None:
-            assert isinstance(renderer, ChatRenderer)
-            return _parsed_delta(parser, renderer, choice)
-        if not choice.wants_logprobs:
-            return renderer.delta
-
-        def delta(text: str, finish_reason: str | None) -> bytes:
-            # Each frame with the logprobs of the tokens since the last.
-            return renderer.delta(text, finish_reason, choice.take_logprobs())
-
-        return delta
-
-
-def _parsed_delta(
-    parser: OutputParser, renderer: ChatRenderer, choice: Choice
-) -> Callable[[str, str | None], bytes]:
-    """The frames of a choice whose text goes through ``parser``: its content, reasoning and
-    tool-call deltas, and ``tool_calls`` as the finish reason of an answer that stopped after
-    sending calls."""
-
-    def delta(text: str, finish_reason: str | None) -> bytes:
-        parsed = parser.feed(text) if text else ParsedDelta()
-        if finish_reason is not None:
-            tail = parser.finish()
-            parsed.content += tail.content
-            parsed.reasoning_content += tail.reasoning_content
-            parsed.tool_calls += tail.tool_calls
-            if finish_reason == "stop" and parser.tool_calls_made:
-                finish_reason = "tool_calls"
-        return renderer.parsed(parsed, finish_reason, choice.take_logprobs())
-
-    return delta
-
-
-def _parts(
-    info: ModelInfo,
-    prompts: list[tuple[PreprocessedRequest, str]],
-    copies: int,
-    renderer: Callable[[int], Renderer[Any]],
-    *,
-    logprobs: bool,
-    echo: bool = False,
-    ranked: bool = False,
-) -> list[_Part]:
-    """The choices of a request: ``copies`` of each prompt's engine request (with the text its
-    choices begin with), of indexes ``prompt * copies + j``; one choice keeps its request as it
-    is (its rid the response's id)."""
-    tokenizer = info.tokenizer
-    parts: list[_Part] = []
-    for p, (preq, text) in enumerate(prompts):
-        indexes = range(p * copies, (p + 1) * copies)
-        single = len(prompts) == 1 and copies == 1
-        own_requests = [preq] if single else choice_requests(preq, indexes)
-        for index, own in zip(indexes, own_requests, strict=True):
-            stop = own.stop_conditions
-            choice = Choice(
-                tokenizer.detokenizer(own.token_ids),
-                prompt_tokens=len(own.token_ids),
-                stop=stop.stop or (),
-                min_tokens=stop.min_tokens or 0,
-                logprobs=tokenizer if logprobs else None,
-                echo=own.token_ids if echo else None,
-                ranked=ranked,
-            )
-            parts.append(_Part(own, choice, renderer(index), text, first=index == indexes[0]))
-    return parts
-
-
-def _best(parts: list[_Part], n: int) -> list[_Part]:
-    """The choices a response returns, in index order: of each prompt's, the ``n`` of the
-    highest logprob sum (``best_of``), or all of them."""
-    if len(parts) == 1:
-        return parts
-    groups: list[list[_Part]] = []
-    for part in parts:
-        if part.first:
-            groups.append([])
-        groups[-1].append(part)
-    return [
-        part
-        for group in groups
-        for part in (
-            group
-            if len(group) == n
-            else sorted(group, key=lambda p: p.choice.logprob_sum, reverse=True)[:n]
-        )
-    ]
-
-
-async def _pump(
-    part: _Part,
-    outputs: AsyncIterator[EngineOutput],
-    text: str,
-    finish: str | None,
-    frames: list[bytes],
-    send: Callable[[bytes], Awaitable[None]],
-    tokens: Callable[[int], None],
-) -> None:
-    """Stream one choice, from its first output's ``text`` and ``finish`` on: its frames go to
-    ``send`` as they come, those of outputs already here together; the last ones (those not
-    sent when it raises) are left in ``frames``.
-
-    This is the per-chunk loop: its callables looked up once, the iterator's ``__anext__``
-    awaited directly (``next_output``'s check is the ``except`` below).
-    """
-    start = part.renderer.start()
-    if start is not None:
-        frames.append(start)
-    text = part.echo + text
-    delta = part.delta()
-    if text or finish is not None:
-        frames.append(delta(text, finish))
-    ready, receive, on_output = ready_output(outputs), outputs.__anext__, part.choice.on_output
-    try:
-        while finish is None:
-            out = ready()
-            if out is None:
-                if frames:
-                    await send(b"".join(frames))
-                    frames.clear()
-                out = await receive()
-            text, finish = on_output(out)
-            tokens(len(out.token_ids))
-            if text or finish is not None:
-                frames.append(delta(text, finish))
-    except StopAsyncIteration:
-        raise StreamIncomplete(STREAM_ENDED) from None
-
-
 def _late_error(exc: Exception) -> tuple[bytes, str]:
     """The SSE error event of a stream that failed after its status line (which is gone: the
     error goes in the stream, which still ends properly); and its error type label."""
@@ -400,20 +241,6 @@ def _late_error(exc: Exception) -> tuple[bytes, str]:
         return error_frame(error_payload(exc)), error_type_label(exc)
     log.error("stream failed", exc_info=exc)
     return error_frame(error_body(500, "internal server error", "internal")), "internal"
-
-
-def _usage(parts: Sequence[_Part]) -> Usage:
-    """The usage of a request: every choice's completion tokens, each prompt once."""
-    if len(parts) == 1:
-        return parts[0].choice.final_usage()
-    usages = [part.choice.final_usage() for part in parts]
-    firsts = [usage for part, usage in zip(parts, usages, strict=True) if part.first]
-    cached = [usage.cached_tokens for usage in firsts]
-    return Usage(
-        prompt_tokens=sum(usage.prompt_tokens for usage in firsts),
-        completion_tokens=sum(usage.completion_tokens for usage in usages),
-        cached_tokens=None if None in cached else sum(c for c in cached if c is not None),
-    )
 
 
 async def _on_http_exception(request: Request, exc: HTTPException) -> Response:
@@ -462,7 +289,9 @@ class _Frontend:
                     rid, info.name, created, include_usage=include_usage, index=index
                 )
 
-            parts = _parts(info, [(preq, "")], body.n, renderer, logprobs=logprobs is not None)
+            parts = choice_parts(
+                info, [(preq, "")], body.n, renderer, logprobs=logprobs is not None
+            )
             for part in parts:
                 part.parser = output_parser(
                     tool_parser=tools.parser,
@@ -520,7 +349,7 @@ class _Frontend:
                     rid, info.name, created, include_usage=include_usage, index=index
                 )
 
-            parts = _parts(
+            parts = choice_parts(
                 info,
                 preqs,
                 copies,
@@ -549,7 +378,7 @@ class _Frontend:
         self,
         request: Request,
         info: ModelInfo,
-        parts: list[_Part],
+        parts: list[Part],
         stream: bool,
         n: int,
         m: RequestMetrics,
@@ -580,8 +409,8 @@ class _Frontend:
     async def _each_choice(
         self,
         info: ModelInfo,
-        parts: Sequence[_Part],
-        consume: Callable[[_Part, AsyncIterator[EngineOutput]], Awaitable[None]],
+        parts: Sequence[Part],
+        consume: Callable[[Part, AsyncIterator[EngineOutput]], Awaitable[None]],
     ) -> None:
         """``consume`` the outputs of every part's engine request, all at once (one task each,
         when there are several); the first failure cancels the others and is raised as it is.
@@ -592,7 +421,7 @@ class _Frontend:
         failures: list[Exception] = []
         async with anyio.create_task_group() as tg:
 
-            async def run(part: _Part) -> None:
+            async def run(part: Part) -> None:
                 try:
                     await self._consume(info, part, consume)
                 except Exception as exc:
@@ -607,8 +436,8 @@ class _Frontend:
     async def _consume(
         self,
         info: ModelInfo,
-        part: _Part,
-        consume: Callable[[_Part, AsyncIterator[EngineOutput]], Awaitable[None]],
+        part: Part,
+        consume: Callable[[Part, AsyncIterator[EngineOutput]], Awaitable[None]],
     ) -> None:
         outputs = self.backend.generate(info.name, part.preq)
         try:
@@ -620,13 +449,13 @@ class _Frontend:
         self,
         request: Request,
         info: ModelInfo,
-        parts: list[_Part],
+        parts: list[Part],
         n: int,
         m: RequestMetrics,
     ) -> Response:
         tokens = m.tokens
 
-        async def collect(part: _Part, outputs: AsyncIterator[EngineOutput]) -> None:
+        async def collect(part: Part, outputs: AsyncIterator[EngineOutput]) -> None:
             texts = [part.echo]
             while True:
                 out = await next_output(outputs)
@@ -646,7 +475,7 @@ class _Frontend:
         self._finish(m, "success")
         renderer = parts[0].renderer
         choices = []
-        for index, part in enumerate(_best(parts, n)):
+        for index, part in enumerate(best(parts, n)):
             assert part.result is not None
             text, finish = part.result
             logprobs = part.choice.take_logprobs()
@@ -657,11 +486,11 @@ class _Frontend:
                 choices.append(part.renderer.parsed_choice(index, part.parser, finish, logprobs))
             else:
                 choices.append(part.renderer.choice(index, text, finish, logprobs))
-        body = renderer.body(choices, _usage(parts))
+        body = renderer.body(choices, usage_of(parts))
         return Response(body, media_type="application/json")
 
     async def _stream(
-        self, writer: SSEWriter, info: ModelInfo, part: _Part, m: RequestMetrics
+        self, writer: SSEWriter, info: ModelInfo, part: Part, m: RequestMetrics
     ) -> None:
         """Produce the SSE response of one choice: its head (see :class:`SSEWriter`), then the
         frames.
@@ -686,7 +515,7 @@ class _Frontend:
             await writer.start()  # a 200 stream follows
             frames: list[bytes] = []
             try:
-                await _pump(part, outputs, text, finish, frames, writer.send, m.tokens)
+                await pump(part, outputs, text, finish, frames, writer.send, m.tokens)
                 status = "success"
                 if renderer.include_usage:
                     frames.append(renderer.usage(choice.final_usage()))
@@ -706,7 +535,7 @@ class _Frontend:
             self._finish(m, status, error_type, disconnected=writer.disconnected)
 
     async def _stream_choices(
-        self, writer: SSEWriter, info: ModelInfo, parts: list[_Part], m: RequestMetrics
+        self, writer: SSEWriter, info: ModelInfo, parts: list[Part], m: RequestMetrics
     ) -> None:
         """Produce the SSE response of several choices, all generated at once.
 
@@ -721,7 +550,7 @@ class _Frontend:
         tokens = m.tokens
         waiting, started = len(parts), anyio.Event()
 
-        async def consume(part: _Part, outputs: AsyncIterator[EngineOutput]) -> None:
+        async def consume(part: Part, outputs: AsyncIterator[EngineOutput]) -> None:
             nonlocal waiting
             first = await next_output(outputs)
             text, finish = part.choice.on_output(first)
@@ -731,7 +560,7 @@ class _Frontend:
                 started.set()
             frames: list[bytes] = []
             try:
-                await _pump(part, outputs, text, finish, frames, queue.put, tokens)
+                await pump(part, outputs, text, finish, frames, queue.put, tokens)
             finally:
                 if frames:  # the last frames, or those before a failure (put never waits)
                     await queue.put(b"".join(frames))
@@ -764,7 +593,7 @@ class _Frontend:
             if failure is None:
                 status = "success"
                 if parts[0].renderer.include_usage:
-                    ending.append(parts[0].renderer.usage(_usage(parts)))
+                    ending.append(parts[0].renderer.usage(usage_of(parts)))
             else:
                 frame, error_type = _late_error(failure)
                 status = "error"
