@@ -77,6 +77,24 @@ async def _no_leaked_tasks() -> AsyncIterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _logging_restored() -> Iterator[None]:
+    """A command run in-process (typer's CliRunner) configures logging for the whole process:
+    put structlog, the root logger and telemetry's record back, else a later test's
+    ``capture_logs`` misses what that level now filters out."""
+    import actors.telemetry as telemetry
+
+    config = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    recorded = telemetry._settings, telemetry._handler
+    yield
+    structlog.configure(**config)
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    telemetry._settings, telemetry._handler = recorded
+
+
+@pytest.fixture(autouse=True)
 def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test: no child process and no socket left open (plus no task, for async
     tests)."""
