@@ -80,6 +80,8 @@ class MockEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     role: EngineRole = "aggregated"
     model: str = "mock"
+    # What the simulated model serves (protocols.engine.ModelKind): the requests it takes.
+    kind: Literal["chat", "embedding", "image", "dllm"] = "chat"
     # KV cache (Dynamo mocker defaults)
     num_blocks: int = 16384
     block_size: int = 64
