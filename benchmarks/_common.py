@@ -52,7 +52,7 @@ async def served_tree(
     children = serving_children(serving, options, lambda: None)
     async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)):
         with anyio.fail_after(ready_s):
-            await serving.table.wait_routable(len(serving.roles))
+            await serving.wait_routable()
         yield serving
 
 

@@ -133,7 +133,7 @@ class Bench:
         self, tag: str, *, live: bool, flush: bool = False, inflight: int = 0
     ) -> dict[str, Any]:
         """Start ``inflight`` requests on decode-0, drain it under them, wait for them."""
-        table = self.serving.table
+        table = self.serving.model().table
         prompts = [f"{tag} {i} {CONTEXT}" for i in range(inflight or self.inflight)]
         table.set_draining("decode-1", True)  # every request starts on decode-0
         port = self.serving.port

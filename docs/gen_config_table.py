@@ -50,6 +50,7 @@ RUNTIME_DEFAULTS: dict[str, str] = {
     "api_key_protects": "none: `/live`, `/health` and `/metrics` open",
     "ssl_certfile": "none: plain HTTP",
     "ssl_keyfile": "none",
+    "image_dir": "`~/.cache/actorserve/images`",
 }
 
 #: What the config-file fields without a command-line option mean (and ``engine_args``, whose
@@ -80,6 +81,9 @@ FIELD_MEANINGS: dict[str, str] = {
     "resume free GPU memory (the mock and hf always can).",
     "kv_events": "sglang: publish KV events to the router (default: on with the kv_aware "
     "router; the mock always publishes them).",
+    "models": "More models served by the same root, each a table of the model fields above "
+    "(`model`, `kind`, `backend`, `mode`, workers, engine args, ...): its own subtree, workers "
+    "and routing; `/v1/models` lists them all.",
 }
 
 
@@ -102,7 +106,9 @@ def _code(value: object) -> str:
 def _model_default() -> str:
     from actors.serving.root._config import DEFAULT_MODEL_NAMES
 
-    names = ", ".join(f"`{name}` ({backend})" for backend, name in DEFAULT_MODEL_NAMES.items())
+    names = ", ".join(
+        f"`{name}` ({backend}, {kind})" for (backend, kind), name in DEFAULT_MODEL_NAMES.items()
+    )
     return f"{names}; sglang: its `served_model_name` or `model_path`"
 
 

@@ -22,6 +22,7 @@ from protocols.engine import (
 )
 from protocols.errors import (
     ContextLengthExceeded,
+    EmptyOutput,
     EngineFailure,
     EngineShutdown,
     InvalidRequest,
@@ -44,6 +45,7 @@ __all__ = [
     "BootstrapInfo",
     "Capacity",
     "ContextLengthExceeded",
+    "EmptyOutput",
     "Engine",
     "EngineFailure",
     "EngineOutput",

@@ -18,6 +18,7 @@ __all__ = [
     "GetCapacity",
     "GetHealthPayload",
     "GetStats",
+    "Histogram",
     "InjectFault",
     "IsQuiescent",
     "Pause",
@@ -144,6 +145,16 @@ class Perturb:
 
 
 @attrs.frozen
+class Histogram:
+    """A histogram's state: ``counts[i]`` observations in bucket ``i`` (at most ``bounds[i]``
+    and above the bound before it; the last bucket, one past ``bounds``, is ``+Inf``)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float = 0.0
+
+
+@attrs.frozen
 class EngineStats:
     """What the worker's health checker and the lifecycle read from an engine actor."""
 
@@ -167,6 +178,10 @@ class EngineStats:
     # Of ``running``, those that have streamed an output (not waiting to prefill, or for the
     # KV of a disaggregated request).
     streaming: int = 0
+    # An engine's figures of its own kind, by name: an embedding engine's batches, an image
+    # engine's denoising steps (counters only grow); exported to Prometheus by the publisher.
+    counters: dict[str, int] = attrs.field(factory=dict)
+    histograms: dict[str, Histogram] = attrs.field(factory=dict)
 
 
 for _cls in (
@@ -181,6 +196,7 @@ for _cls in (
     WaitQuiescent,
     GetHealthPayload,
     GetStats,
+    Histogram,
     EngineStats,
     Drain,
     Undrain,

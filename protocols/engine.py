@@ -313,7 +313,13 @@ class OutputStream(Protocol):
 
 class EngineStatistics(Protocol):
     """What every engine's ``statistics()`` snapshot tells its host; an engine's own snapshot
-    type adds its details. A count the engine does not keep is -1."""
+    type adds its details. A count the engine does not keep is -1.
+
+    A snapshot may also have ``counters() -> dict[str, int]`` and ``histograms() -> dict[str,
+    protocols.control.Histogram]``: figures of the engine's kind (an embedding engine's batch
+    sizes, an image engine's denoising steps), which the worker exports to Prometheus as
+    ``actorserve_worker_<name>``.
+    """
 
     @property
     def in_flight(self) -> int:

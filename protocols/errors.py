@@ -3,8 +3,8 @@
 1. The client cancelled: :class:`RequestCancelled` (never migrated).
 2. The worker is shutting down or draining: :class:`WorkerDraining`, :class:`EngineShutdown`
    (migratable).
-3. The engine or the transport failed: :class:`EngineFailure`, :class:`StreamStalled`,
-   :class:`StreamIncomplete`, :class:`KVTransferError` (migratable).
+3. The engine or the transport failed: :class:`EngineFailure`, :class:`EmptyOutput`,
+   :class:`StreamStalled`, :class:`StreamIncomplete`, :class:`KVTransferError` (migratable).
 
 Every error carries a stable ``code`` (a dotted reason in the spirit of Dynamo's error chain) so
 it crosses process boundaries intact: :func:`error_from_wire` rebuilds the same class from
@@ -26,6 +26,7 @@ request to another worker, and its wire code::
         WorkerDraining             503  migratable  backend.worker_draining
         EngineShutdown             503  migratable  backend.engine_shutdown
         EngineFailure              500  migratable  backend.engine_failure
+            EmptyOutput            500  migratable  backend.empty_output
         StreamStalled              500  migratable  backend.response_timeout
         StreamIncomplete           500  migratable  backend.stream_incomplete
         KVTransferError            500  migratable  kv.transfer_failed
@@ -43,6 +44,7 @@ from protocols import codec
 
 __all__ = [
     "ContextLengthExceeded",
+    "EmptyOutput",
     "EngineFailure",
     "EngineShutdown",
     "InvalidRequest",
@@ -158,6 +160,13 @@ class EngineFailure(RequestError):
 
     code = "backend.engine_failure"
     migratable = True
+
+
+class EmptyOutput(EngineFailure):
+    """A block-diffusion (``dllm``) model's output had neither tokens nor a finish reason: its
+    block never came (a chat model's request stream skips such an output instead)."""
+
+    code = "backend.empty_output"
 
 
 class StreamStalled(RequestError):

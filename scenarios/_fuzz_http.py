@@ -1,9 +1,10 @@
 """``actorserve scenario fuzz-http``: schemathesis against a served root's own OpenAPI schema.
 
-A root (``actorserve run`` with mock engines, disaggregated: one prefill and two decode workers)
-runs in a process of its own on 127.0.0.1. The fuzzer loads the schema that root serves and sends
-requests generated from it, one at a time over real connections: schema-valid ones mostly, some
-invalid ones, every body naming the served model so that most reach the engines. It counts the
+A root (``actorserve run`` with mock engines: a chat model disaggregated over one prefill and two
+decode workers, an embedding and an image model beside it) runs in a process of its own on
+127.0.0.1. The fuzzer loads the schema that root serves and sends requests generated from it, one
+at a time over real connections: schema-valid ones mostly, some invalid ones, every body naming
+the served model of its path's kind so that most reach the engines. It counts the
 answers; a server error is a 5xx, a stream that reports an error or never ends with ``[DONE]``, or
 no answer at all (a connection error, a timeout).
 """
@@ -31,8 +32,8 @@ from rich.table import Table
 from schemathesis import GenerationMode
 from schemathesis.core.result import Err
 
-from actors.serving import ServeConfig
-from scenarios._model import topology
+from actors.serving import ModelConfig, ServeConfig
+from scenarios._model import FAST_ENGINE, topology
 from scenarios._subprocess import open_root_process
 
 __all__ = ["FuzzReport", "fuzz_http"]
@@ -49,14 +50,32 @@ _POSITIVE_SHARE = 0.8
 
 
 def _root_config() -> ServeConfig:
-    """The served root: mock engines, disaggregated (1 prefill, 2 decode), with no simulated time
-    (``instant``) and a small EOS rate, so that most generations are short and every case quick."""
+    """The served root: mock engines with no simulated time (``instant``) and a small EOS rate,
+    so that most generations are short and every case quick: the chat model disaggregated (1
+    prefill, 2 decode), an embedding and an image model beside it (one worker each)."""
+    instant = {**FAST_ENGINE, "timing": {"instant": True}}
+    beside = [
+        ModelConfig(kind=kind, backend="mock", decode_workers=1, engine_args=instant)
+        for kind in ("embedding", "image")
+    ]
     return topology(
         mode="disaggregated",
         prefill_workers=1,
         decode_workers=2,
         engine_args={"timing": {"instant": True}, "eos_rate": 0.02},
+        models=beside,
     )
+
+
+def _model_by_path(config: ServeConfig) -> dict[str, str]:
+    """The model each generation path's bodies name: one of the kind it takes."""
+    names = {m.kind: m.model for m in config.served()}
+    return {
+        "/v1/chat/completions": names["chat"],
+        "/v1/completions": names["chat"],
+        "/v1/embeddings": names["embedding"],
+        "/v1/images/generations": names["image"],
+    }
 
 
 @attrs.define
@@ -117,8 +136,9 @@ def fuzz_http(cases: int, *, loop: str = "asyncio", seed: int | None = None) -> 
 async def _fuzz_root(config: ServeConfig, cases: int, loop: str, seed: int) -> FuzzReport:
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="actorserve-fuzz-") as tmp:
+        config = attrs.evolve(config, image_dir=str(Path(tmp) / "images"))
         async with open_root_process(config, Path(tmp), loop, _START_TIMEOUT_S) as root:
-            fuzzer = _Fuzzer(root.url, config.model, seed)
+            fuzzer = _Fuzzer(root.url, _model_by_path(config), seed)
             # The fuzzer blocks (requests, hypothesis): it runs in a thread while this loop reads
             # the root's log.
             try:
@@ -135,9 +155,9 @@ class _Stopped(BaseException):
 
 
 class _Fuzzer:
-    def __init__(self, url: str, model: str, seed: int) -> None:
+    def __init__(self, url: str, models: dict[str, str], seed: int) -> None:
         self.url = url
-        self.model = model
+        self.models = models
         self.seed = seed
         self.report = FuzzReport(seed=seed)
         self.session = requests.Session()
@@ -193,8 +213,10 @@ class _Fuzzer:
         """Send ``case``; its status (``no_response`` if none came), a server error counted."""
         if self.stopping.is_set():
             raise _Stopped
-        if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
-            case.body["model"] = self.model
+        model = self.models.get(case.operation.path)
+        body = case.body
+        if model is not None and isinstance(body, dict) and isinstance(body.get("model"), str):
+            body["model"] = model
         kwargs = case.as_transport_kwargs(base_url=self.url)
         try:
             response = self.session.request(**kwargs, timeout=_REQUEST_TIMEOUT_S)

@@ -115,7 +115,7 @@ async def open_tree(serving: Serving) -> AsyncIterator[SupervisorRef]:
         children, SupervisorFlags(intensity=10, period=60), name="root"
     ) as root_ref:
         with anyio.fail_after(_START_TIMEOUT_S):
-            await serving.table.wait_routable(len(serving.roles))
+            await serving.wait_routable()
         yield root_ref
 
 
@@ -159,11 +159,11 @@ async def _serve_and_load(
 
         url = f"http://{config.host}:{serving.port}"
         target = await _load(
-            scenario, in_process, run, report, url, lambda: serving.table.routable() >= workers
+            scenario, in_process, run, report, url, lambda: serving.routable() >= workers
         )
-        if serving.table.routable() < workers:
+        if serving.routable() < workers:
             run.leaks.append(
-                f"only {serving.table.routable()}/{workers} workers routable "
+                f"only {serving.routable()}/{workers} workers routable "
                 f"{scenario.settle_s:g} s after the load"
             )
         t = time.monotonic()

@@ -172,9 +172,9 @@ async def _serve_and_soak(
             report.load_s = clock.now()
             progress(f"[{clock.now():7.1f} s] load over: {_so_far(report)}; settling")
             with anyio.move_on_after(config.settle_s):
-                while serving.table.routable() < len(workers):  # noqa: ASYNC110
+                while serving.routable() < len(workers):  # noqa: ASYNC110
                     await anyio.sleep(0.1)  # routability has no event to wait on
-            routable = serving.table.routable()
+            routable = serving.routable()
             report.leaks += await kv_leaks(target, workers, DISAGG_IDLE_TIMEOUT_S)
             report.counters = counters(start, await scrape(client))
     return "" if routable == len(workers) else f"{routable}/{len(workers)} routable"

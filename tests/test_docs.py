@@ -190,8 +190,13 @@ def test_documented_control_endpoints_exist() -> None:
 
 
 def test_documented_http_endpoints_exist() -> None:
-    source = (ROOT / "actors" / "serving" / "frontend" / "_app.py").read_text()
-    real = {re.sub(r":path\}", "}", p) for p in re.findall(r'"(/[a-z0-9/_{}:]+)"', source)}
+    from prometheus_client import CollectorRegistry
+
+    from actors.serving.frontend import create_app
+    from actors.serving.testing import FakeBackend
+
+    app = create_app(FakeBackend(), CollectorRegistry())
+    real = {re.sub(r":path\}", "}", route.path) for route in app.routes}  # type: ignore[attr-defined]
     assert {"/v1/chat/completions", "/v1/completions", "/health"} <= real
     for name, text in _docs().items():
         named = set(re.findall(r"`(?:GET|POST) (/[a-z0-9/_{}]+)`", text))

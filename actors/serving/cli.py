@@ -93,6 +93,20 @@ def run(
         str | None,
         typer.Option(help="Engine backend: hf (default: SmolLM2-135M on CPU), mock or sglang."),
     ] = None,
+    kind: Annotated[
+        str | None,
+        typer.Option(help="What the model serves: chat (default), embedding, image or dllm."),
+    ] = None,
+    with_embeddings: Annotated[
+        bool,
+        typer.Option(
+            help="Serve the backend's embedding model beside (on hf: all-MiniLM-L6-v2 on CPU)."
+        ),
+    ] = False,
+    image_dir: Annotated[
+        str | None,
+        typer.Option(help="Where images asked for as a url are written (an fsspec URL or path)."),
+    ] = None,
     mode: Annotated[str | None, typer.Option(help="disaggregated (default) or aggregated.")] = None,
     prefill_workers: Annotated[
         int | None, typer.Option(help="Prefill workers (disaggregated).")
@@ -216,7 +230,9 @@ def run(
         raise typer.Exit(2) from None
     overrides: dict[str, Any] = {
         "model": model,
+        "kind": kind,
         "backend": backend,
+        "image_dir": image_dir,
         "mode": mode,
         "prefill_workers": prefill_workers,
         "decode_workers": decode_workers,
@@ -247,6 +263,8 @@ def run(
         cfg = _with_engine_args(cfg, "engine_args", engine_arg, ctx.args)
         cfg = _with_engine_args(cfg, "prefill_engine_args", prefill_engine_arg)
         cfg = _with_engine_args(cfg, "decode_engine_args", decode_engine_arg)
+        if with_embeddings:
+            cfg = attrs.evolve(cfg, models=[*cfg.models, _embedding_model(cfg)])
     except (ValueError, OSError, ImportError) as exc:
         console.print(f"[red]bad configuration:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -294,11 +312,13 @@ def run(
             status.stop()
             scheme = "http" if serving.tls is None else "https"
             url = f"{scheme}://{cfg.host}:{serving.port}/v1"
-            _log.info("ready", url=url, model=cfg.model)
+            names = [m.name for m in serving.models]
+            _log.info("ready", url=url, models=names)
             say.print(render_tree(await snapshot_tree(root)))
             say.print(
                 f"[bold green]ready[/bold green]: {url} "
-                f"(model {cfg.model!r}); Ctrl-C or SIGTERM stops gracefully, twice exits at once"
+                f"(models {', '.join(map(repr, names))}); Ctrl-C or SIGTERM stops gracefully, "
+                "twice exits at once"
             )
             if control_api_port is not None and token is None:
                 say.print(f"control API token written to {token_file_of_this_root()}")
@@ -327,6 +347,13 @@ def resolve_loop(loop: str | None) -> str:
     if loop not in ("uvloop", "asyncio", "trio"):
         raise ValueError(f"{loop!r}: expected uvloop, asyncio or trio")
     return loop
+
+
+def _embedding_model(cfg: Any) -> Any:
+    """``--with-embeddings``: the backend's embedding model, one worker, beside the others."""
+    from actors.serving.root import ModelConfig
+
+    return ModelConfig(kind="embedding", backend=cfg.backend, decode_workers=1)
 
 
 def _with_engine_args(

@@ -17,6 +17,19 @@ and server args. The fakes are handed to the backend through its ``api`` seam; n
 ``sglang`` is imported or patched.
 
 SGLang's engine is asyncio-only: on trio, each engine test asserts the backend's clear error.
+
+Embedding models (``is_embedding``): ``TokenizerManager.generate_request`` (an async generator,
+checked against the record like the other calls) with SGLang's ``EmbeddingReqInput`` (built from
+the record's fields) answers once with ``embedding`` and ``meta_info``.
+
+Image models: SGLang's diffusion generator (``FakeDiffGenerator``), checked the same way:
+``from_pretrained`` (a classmethod) binds its server args to the record's diffusion
+``ServerArgs``; ``generate`` binds its sampling params to the record's diffusion
+``SamplingParams`` (an unknown one is a ``TypeError``, as SGLang's ``type(sp)(**kwargs)`` raises)
+and answers a ``GenerationResult`` of the record's fields: a picture that is a function of the
+seed and the prompt, as ``frames`` (uint8, H x W x 3) and ``samples`` (a float tensor, C x H x W
+in [0, 1]).
+It blocks its (lane) thread, as SGLang's does.
 """
 
 from __future__ import annotations
@@ -31,12 +44,14 @@ import json
 import signal
 import threading
 import types
+import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 from actors.serving.engines._sglang import SGLangEngine, SGLangRequiresAsyncio
@@ -44,6 +59,7 @@ from actors.serving.engines._sglang import _record as record_mod
 from actors.serving.engines._sglang._config import (
     SGLangAPI,
 )
+from actors.serving.engines._sglang._diffusion import SGLangDiffusionAPI
 from protocols.engine import (
     BootstrapInfo,
     Engine,
@@ -53,7 +69,10 @@ from protocols.engine import (
 )
 
 ENGINE_DIR = Path(record_mod.__file__).parent
-BACKEND_SOURCES = [ENGINE_DIR / f for f in ("_engine.py", "_stream.py", "_config.py", "_launch.py")]
+BACKEND_SOURCES = [
+    ENGINE_DIR / f
+    for f in ("_engine.py", "_stream.py", "_config.py", "_launch.py", "_diffusion.py")
+]
 
 # ------------------------------------------------------------------------------------------
 # Signatures rebuilt from a record
@@ -93,6 +112,7 @@ class Record:
         self.ReleaseReq = self.fake_struct("ReleaseMemoryOccupationReqInput")
         self.ResumeReq = self.fake_struct("ResumeMemoryOccupationReqInput")
         self.FlushOut = self.fake_struct("FlushCacheReqOutput")
+        self.EmbedReq = self.fake_struct("EmbeddingReqInput")
         self.PortArgs = self.fake_struct("PortArgs", keyword_only=True)
         self.SchedulerInitResult = self.fake_struct("SchedulerInitResult", keyword_only=True)
         # How this SGLang's tokenizer manager marks an aborted request (ReqState's field).
@@ -104,6 +124,12 @@ class Record:
         else:
             raise AssertionError(f"SGLang {self.version}'s ReqState: teach the fakes its aborts")
         self.RequestAbortedError = self.fake_exception("RequestAbortedError")
+        # SGLang's diffusion runtime (its own ServerArgs and SamplingParams, not the engine's).
+        self.diffusion_server_args = self.class_signature("DiffusionServerArgs", keyword_only=True)
+        self.diffusion_sampling_params = self.class_signature(
+            "DiffusionSamplingParams", keyword_only=True
+        )
+        self.GenerationResult = self.fake_struct("GenerationResult", keyword_only=True)
 
     def __repr__(self) -> str:
         return f"Record({self.version})"
@@ -136,10 +162,14 @@ class Record:
     def fake_class(self, cls: type) -> type:
         """``cls`` with every method marked ``@sglang(...)`` checked against this record."""
         if cls not in self._classes:
-            checked = {
-                attr: _checked(self, value._sglang, value)
+            impls = {
+                attr: value.__func__ if isinstance(value, classmethod) else value
                 for attr, value in vars(cls).items()
-                if hasattr(value, "_sglang")
+            }
+            checked = {
+                attr: _checked(self, impl._sglang, impl)
+                for attr, impl in impls.items()
+                if hasattr(impl, "_sglang")
             }
             self._classes[cls] = type(cls.__name__, (cls,), checked)
         return self._classes[cls]
@@ -163,12 +193,35 @@ def _checked(record: Record, key: str, impl: Callable[..., Any]) -> Callable[...
     entry = record.data["callables"][key]
     sig = rebuilt_signature(entry["params"])
 
+    me = next(iter(sig.parameters))  # "self", or a classmethod's "cls"
+
     def bind(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         bound = sig.bind(self, *args, **kwargs)  # TypeError: the real call would fail too
-        given = {k: v for k, v in bound.arguments.items() if k != "self"}
+        given = {k: v for k, v in bound.arguments.items() if k != me}
         self._fake.calls.append((key, given))
         bound.apply_defaults()
-        return {k: v for k, v in bound.arguments.items() if k != "self"}
+        return {k: v for k, v in bound.arguments.items() if k != me}
+
+    if entry.get("classmethod"):
+
+        @functools.wraps(impl)
+        def class_method(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            return impl(cls, **bind(cls, args, kwargs))
+
+        class_method.__signature__ = sig  # type: ignore[attr-defined]
+        return classmethod(class_method)  # type: ignore[return-value]
+
+    if entry.get("async_generator"):
+        assert inspect.isasyncgenfunction(impl), key
+
+        # Not itself an async generator function: calling SGLang's binds the arguments at once
+        # (a TypeError at the call, not at the first item), so this binds, then hands impl's.
+        @functools.wraps(impl)
+        def generator_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return impl(self, **bind(self, args, kwargs))
+
+        generator_method.__signature__ = sig  # type: ignore[attr-defined]
+        return generator_method
 
     if entry["async"]:
 
@@ -214,6 +267,9 @@ class FakeSGLang:
         self.record = record
         self.TokenizerManager = record.fake_class(FakeTokenizerManager)
         self.Engine = type("Engine", (record.fake_class(FakeEngine),), {"_fake": self})
+        self.DiffGenerator = type(
+            "DiffGenerator", (record.fake_class(FakeDiffGenerator),), {"_fake": self}
+        )
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.engines: list[FakeEngine] = []
         self.init_threads: list[threading.Thread] = []
@@ -225,6 +281,13 @@ class FakeSGLang:
         self.rooms: list[int] = []  # bootstrap rooms registered (on dispatch)
         self.scheduler_aborts: list[str] = []  # every AbortReq the scheduler got for its request
         self.lost_aborts: list[str] = []
+        self.embedding_dim = 8  # an embedding model's vector length
+        # The diffusion generator: those built, the threads of its calls, the knobs.
+        self.generators: list[FakeDiffGenerator] = []
+        self.generator_threads: list[threading.Thread] = []
+        self.generating: list[str] = []  # the prompts in a generate call now
+        self.hold_generate: threading.Event | None = None  # generate waits until it is set
+        self.image_form = "frames"  # "frames", "samples" (no frames) or "list" (0.5.23's)
         self.internal_state: dict[str, Any] = {
             "page_size": 16,
             "context_length": 4096,
@@ -243,10 +306,20 @@ class FakeSGLang:
             ContinueGenerationReqInput=rec.ContinueReq,
             ReleaseMemoryOccupationReqInput=rec.ReleaseReq,
             ResumeMemoryOccupationReqInput=rec.ResumeReq,
+            EmbeddingReqInput=rec.EmbedReq,
             RequestAbortedError=rec.RequestAbortedError,
             FAKE_BOOTSTRAP_HOST=rec.fake_host,
             server_arg_names=frozenset(rec.server_args.parameters),
             kv_events_config_fields=rec.fields("KVEventsConfig"),
+            version=rec.version,
+        )
+
+    def diffusion_api(self) -> SGLangDiffusionAPI:
+        rec = self.record
+        return SGLangDiffusionAPI(
+            DiffGenerator=self.DiffGenerator,
+            sampling_param_names=rec.fields("DiffusionSamplingParams"),
+            server_arg_names=rec.fields("DiffusionServerArgs"),
             version=rec.version,
         )
 
@@ -438,6 +511,47 @@ class FakeTokenizerManager:
                 del self.rid_to_state[rid]
             raise
 
+    @sglang("TokenizerManager", "generate_request")
+    async def generate_request(self, obj: Any, request: Any) -> AsyncIterator[dict[str, Any]]:
+        """SGLang's generate_request for an ``EmbeddingReqInput``, reduced: register, wait
+        while paused, dispatch, answer once (a vector of ``embedding_dim`` from the ids)."""
+        fake, rid = self._fake, obj.rid
+        assert type(obj).__name__ == "EmbeddingReqInput" and obj.text is None
+        if not self.server_args.is_embedding:
+            raise ValueError("This model does not appear to be an embedding model by default.")
+        prompt = list(obj.input_ids or ())
+        state = fake.state()
+        self.rid_to_state[rid] = state
+        try:
+            await asyncio.sleep(0)  # tokenizing
+            await _until(lambda: not self.paused, state)
+            self._raise_if_aborted(rid, state)
+            if fake.hold_dispatch is not None:
+                fake.held_before_dispatch.add(rid)
+                try:
+                    await _until(fake.hold_dispatch.is_set, state)
+                finally:
+                    fake.held_before_dispatch.discard(rid)
+            self._raise_if_aborted(rid, state)
+            state.dispatched = True
+            state.time_stats.api_server_dispatch_finish_time = 1.0
+            if prompt == [666]:  # longer than the context: SGLang's validation error
+                raise ValueError("The input (666 tokens) is longer than the model's context")
+            if fake.hold_first_token is not None:
+                await _until(fake.hold_first_token.is_set, state)
+            self.rid_to_state.pop(rid, None)
+            reason = state.aborted or {"type": "length", "length": 0}
+            yield {
+                "embedding": [] if state.aborted else fake_embedding(prompt, fake.embedding_dim),
+                "meta_info": {"id": rid, "finish_reason": reason, "prompt_tokens": len(prompt)},
+            }
+        except BaseException:
+            if self.rid_to_state.get(rid) is state:
+                if state.dispatched and not state.flag("abort_sent"):
+                    fake.scheduler_aborts.append(rid)
+                del self.rid_to_state[rid]
+            raise
+
     def _terminal(
         self,
         state: FakeState,
@@ -460,6 +574,11 @@ class FakeTokenizerManager:
                 **(logprobs or {}),
             },
         }
+
+
+def fake_embedding(prompt: list[int], dim: int) -> list[float]:
+    """The fake embedding model's vector of ``prompt``: a plain function of the ids."""
+    return [float((sum(prompt) + i) % 7) - 3.0 for i in range(dim)]
 
 
 def _logprobs(args: dict[str, Any], n: int) -> dict[str, Any]:
@@ -567,6 +686,77 @@ class FakeEngine:
     @sglang("Engine", "shutdown")
     def shutdown(self) -> None:
         self._fake.shutdown_threads.append(threading.current_thread())
+
+
+def fake_picture(seed: int, prompt: str, height: int, width: int) -> np.ndarray[Any, Any]:
+    """The fake diffusion model's picture: uint8 H x W x 3, a function of seed and prompt."""
+    rng = np.random.default_rng([seed, zlib.crc32(prompt.encode())])
+    return rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+
+
+def fake_sample(frame: np.ndarray[Any, Any]) -> Any:
+    """SGLang's raw sample of a picture: a float tensor, channels first, in [0, 1]."""
+    import torch  # here: only the image tests pay for importing it
+
+    return torch.from_numpy(frame.transpose(2, 0, 1).astype(np.float32) / 255.0)
+
+
+class FakeDiffGenerator:
+    """SGLang's DiffGenerator, reduced: from_pretrained, a blocking generate, shutdown."""
+
+    _fake: FakeSGLang
+
+    def __init__(self, server_args: dict[str, Any]) -> None:
+        self.server_args = types.SimpleNamespace(**server_args)
+        self.closed = False
+
+    @classmethod
+    @sglang("DiffGenerator", "from_pretrained")
+    def from_pretrained(cls, local_mode: bool, kwargs: dict[str, Any]) -> FakeDiffGenerator:
+        fake = cls._fake
+        # ServerArgs.from_kwargs ends in ServerArgs(**kwargs): unknown or missing ones fail.
+        bound = fake.record.diffusion_server_args.bind(**kwargs)
+        assert local_mode is True  # it starts its own scheduler and workers
+        generator = cls(dict(bound.arguments))
+        fake.generators.append(generator)
+        fake.generator_threads.append(threading.current_thread())
+        return generator
+
+    @sglang("DiffGenerator", "generate")
+    def generate(
+        self, sampling_params_kwargs: dict[str, Any] | None, external_trace_header: Any
+    ) -> Any:
+        fake = self._fake
+        assert not self.closed, "generate after shutdown"
+        fake.generator_threads.append(threading.current_thread())
+        sp = dict(sampling_params_kwargs or {})
+        # SamplingParams.from_user_sampling_params_args: type(sp)(**kwargs) refuses unknown keys.
+        fake.record.diffusion_sampling_params.bind(**sp)
+        prompt = str(sp.get("prompt"))
+        fake.generating.append(prompt)
+        try:
+            if fake.hold_generate is not None:
+                fake.hold_generate.wait(timeout=60)  # a guard against a hung test, not a timing
+            if prompt == "refused":  # SGLang's own check of the sampling params
+                raise ValueError("height must be divisible by 16")
+            if prompt == "fails":  # failed in the scheduler: SGLang logs it and answers None
+                return None
+            frame = fake_picture(int(sp["seed"]), prompt, int(sp["height"]), int(sp["width"]))
+            sample = fake_sample(frame)
+            result = fake.record.GenerationResult(
+                samples=sample,
+                frames=None if fake.image_form == "samples" else [frame],
+                prompt=prompt,
+                size=(sp["height"], sp["width"], 1),
+            )
+            return [result] if fake.image_form == "list" else result
+        finally:
+            fake.generating.remove(prompt)
+
+    @sglang("DiffGenerator", "shutdown")
+    def shutdown(self) -> None:
+        self._fake.generator_threads.append(threading.current_thread())
+        self.closed = True
 
 
 # ------------------------------------------------------------------------------------------

@@ -79,6 +79,8 @@ def test_record_is_well_formed(record: Record) -> None:
     assert rec["callables"]["TokenizerManager.pause_generation"]["async"] is True
     assert rec["callables"]["TokenizerManager.abort_request"]["async"] is False
     assert rec["callables"]["Engine.release_memory_occupation"]["async"] is False
+    # The embedding path iterates it (the fakes check it as an async generator).
+    assert rec["callables"]["TokenizerManager.generate_request"].get("async_generator") is True
 
 
 _RECEIVERS = {
@@ -86,6 +88,9 @@ _RECEIVERS = {
     "_engine": "Engine",
     "tm": "TokenizerManager",
     "_tm": "TokenizerManager",
+    "generator": "DiffGenerator",
+    "_generator": "DiffGenerator",
+    "generation": "GenerationResult",
 }
 
 
@@ -115,6 +120,12 @@ def _sglang_uses(path: Path) -> tuple[set[str], set[str]]:
             (calls if id(node) in called else reads).add(f"{_RECEIVERS[recv]}.{node.attr}")
         elif recv == "api" and id(node) in called:
             calls.add(f"api.{node.attr}")
+        elif (
+            isinstance(node.value, ast.Attribute)
+            and _receiver(node.value.value) == "api"
+            and id(node) in called
+        ):
+            calls.add(f"{node.value.attr}.{node.attr}")  # api.DiffGenerator.from_pretrained(...)
     return calls, reads
 
 
@@ -128,6 +139,8 @@ def test_record_covers_every_sglang_call_the_backend_makes(record: Record) -> No
         reads |= r
     # The scan sees the calls it must (guards against a scan that silently finds nothing).
     assert {"Engine.async_generate", "TokenizerManager.abort_request", "api.Engine"} <= calls
+    assert {"DiffGenerator.from_pretrained", "DiffGenerator.generate"} <= calls
+    assert {"DiffGenerator.shutdown", "GenerationResult.frames"} <= reads
     for call in calls:
         if call.startswith("api."):
             name = call.removeprefix("api.")
@@ -137,9 +150,10 @@ def test_record_covers_every_sglang_call_the_backend_makes(record: Record) -> No
             assert call in rec["callables"], f"{call} is not in {record.path.name}"
     for read in reads:
         owner, attr = read.split(".", 1)
-        known = rec["attributes"][owner] + [
+        known = rec["attributes"].get(owner, []) + [
             k.split(".", 1)[1] for k in rec["callables"] if k.startswith(owner + ".")
         ]
+        known += [p["name"] for p in rec["classes"].get(owner, {}).get("params", [])]
         assert attr in known, f"{read} is not in {record.path.name}"
     # Engine's synchronous wrappers must never be called (see _engine.py).
     for sync in (
@@ -186,6 +200,51 @@ def source_tree(tmp_path: Path) -> Path:
                 def resume_memory_occupation(self, tags=None): ...
             """,
         "srt/managers/__init__.py": "",
+        "multimodal_gen/__init__.py": "",
+        "multimodal_gen/runtime/__init__.py": "",
+        "multimodal_gen/runtime/entrypoints/__init__.py": "",
+        "multimodal_gen/runtime/entrypoints/diffusion_generator.py": """
+            class DiffGenerator:
+                def __init__(self, server_args):
+                    self.server_args = server_args
+                @classmethod
+                def from_pretrained(cls, local_mode: bool = True, **kwargs):
+                    return cls(kwargs)
+                def generate(self, sampling_params_kwargs=None, external_trace_header=None): ...
+                def shutdown(self): ...
+            """,
+        "multimodal_gen/runtime/entrypoints/utils.py": """
+            from dataclasses import dataclass
+            from typing import Any
+
+            @dataclass
+            class GenerationResult:
+                samples: Any = None
+                frames: Any = None
+            """,
+        "multimodal_gen/runtime/server_args/__init__.py": (
+            "from sglang.multimodal_gen.runtime.server_args.server_args import ServerArgs\n"
+        ),
+        "multimodal_gen/runtime/server_args/server_args.py": """
+            import dataclasses
+
+            @dataclasses.dataclass
+            class ServerArgs:
+                model_path: str
+                num_gpus: int = 1
+            """,
+        "multimodal_gen/configs/__init__.py": "",
+        "multimodal_gen/configs/sample/__init__.py": "",
+        "multimodal_gen/configs/sample/sampling_params.py": """
+            from dataclasses import dataclass, field
+
+            @dataclass
+            class SamplingParams:
+                prompt: str = None
+                width: int = None
+                requested_width: int = field(default=None, init=False)
+                seed: int = 42
+            """,
         "srt/managers/mixin.py": """
             class ControlMixin:
                 async def flush_cache(self, timeout_s=None): ...
@@ -220,7 +279,14 @@ def source_tree(tmp_path: Path) -> Path:
             """,
         "srt/managers/io_struct.py": """
             import msgspec
+            from dataclasses import dataclass, field
             from typing import ClassVar, List, Literal, Optional
+
+            @dataclass
+            class EmbeddingReqInput:
+                rid: Optional[str] = field(default=None, kw_only=True)
+                text: Optional[str] = None
+                input_ids: Optional[List[int]] = None
 
             class BaseReq(msgspec.Struct, kw_only=True):
                 rid: Optional[str] = None
@@ -318,6 +384,24 @@ def test_record_is_reproducible_from_a_source_tree(source_tree: Path) -> None:
         ("rid", "KEYWORD_ONLY", "None"),
         ("mode", "KEYWORD_ONLY", "'abort'"),
     ]
+    # A dataclass field(kw_only=True) is keyword-only, after the others (as in its __init__).
+    embed = rec["classes"]["EmbeddingReqInput"]["params"]
+    assert [(p["name"], p["kind"], p["default"]) for p in embed] == [
+        ("text", "POSITIONAL_OR_KEYWORD", "None"),
+        ("input_ids", "POSITIONAL_OR_KEYWORD", "None"),
+        ("rid", "KEYWORD_ONLY", "None"),
+    ]
+    assert rec["callables"]["TokenizerManager.generate_request"]["async_generator"] is True
+    # A classmethod is recorded with ``cls`` (and says so); a field(init=False) is no parameter.
+    pretrained = rec["callables"]["DiffGenerator.from_pretrained"]
+    assert pretrained["classmethod"] is True
+    assert [p["name"] for p in pretrained["params"]] == ["cls", "local_mode", "kwargs"]
+    assert "classmethod" not in rec["callables"]["DiffGenerator.generate"]
+    diffusion_sp = rec["classes"]["DiffusionSamplingParams"]["params"]
+    assert [p["name"] for p in diffusion_sp] == ["prompt", "width", "seed"]
+    assert rec["classes"]["DiffusionServerArgs"]["module"] == (
+        "sglang.multimodal_gen.runtime.server_args.server_args"
+    )
     assert [p["name"] for p in rec["classes"]["ServerArgs"]["params"]] == [
         "disaggregation_mode",
         "model_path",
@@ -376,7 +460,16 @@ def test_record_from_an_importable_sglang_matches_the_source_reading(source_tree
     assert inspected["sglang"]["method"] == "inspect"
     assert inspected["sglang"]["version"] == "0.5.99"
     assert inspected["callables"] == read["callables"]
-    for name in ("PauseGenerationReqInput", "FlushCacheReqOutput", "KvMetrics", "PortArgs"):
+    for name in (
+        "PauseGenerationReqInput",
+        "FlushCacheReqOutput",
+        "KvMetrics",
+        "PortArgs",
+        "EmbeddingReqInput",
+        "DiffusionSamplingParams",
+        "DiffusionServerArgs",
+        "GenerationResult",
+    ):
         assert inspected["classes"][name] == read["classes"][name], name
     assert inspected["constants"] == read["constants"]
     assert inspected["exceptions"] == read["exceptions"]
@@ -449,6 +542,9 @@ def test_importing_the_backend_does_not_import_sglang() -> None:
         "sys.meta_path.insert(0, NoSGLang())\n"
         "from actors.serving.engines._sglang import SGLangEngine\n"
         "SGLangEngine({'model_path': 'm'}, role='prefill')\n"
+        "from actors.serving.engines import SGLangImageEngine\n"
+        "SGLangImageEngine({'model_path': 'm'})\n"
+        "assert 'torch' not in sys.modules and 'PIL' not in sys.modules\n"
         "assert 'actors.serving.engines._sglang._record' not in sys.modules  # tests' only\n"
         "import actors.serving.engines._sglang._metrics, actors.serving.engines._sglang._record\n"
         "assert not any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules)\n"

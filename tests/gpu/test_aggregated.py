@@ -118,17 +118,17 @@ async def test_health_canaries_pass_on_the_real_engine(tree: Tree) -> None:
 
     before = passed()
     await wait_until(lambda: passed() >= before + 2, timeout=120)
-    assert all(tree.serving.table.workers[w].healthy for w in WORKERS)
+    assert all(tree.serving.model().table.workers[w].healthy for w in WORKERS)
 
 
 async def test_kv_aware_routing_follows_sglang_kv_events(tree: Tree) -> None:
-    tokenizer = tree.serving.tokenizer
+    tokenizer = tree.serving.model().tokenizer
     prefix = "Once upon a time, in a land of rivers and stone, " * 12
     async with openai_client(tree) as client:
         model = (await client.models.list()).data[0].id
         await client.completions.create(model=model, prompt=prefix, max_tokens=4, temperature=0)
         tokens = tokenizer.encode(prefix)
-        table = tree.serving.table
+        table = tree.serving.model().table
         # SGLang's own events reach the router, and its pages match the router's hashes of the
         # same tokens: the worker that served the prompt holds its full pages.
         full_pages = len(tokens) // table.workers[WORKERS[0]].capacity.block_size

@@ -55,9 +55,11 @@ class Tree:
         return stats
 
     async def wait_ready(self, workers: int | None = None, timeout: float = 30) -> None:
-        want = workers if workers is not None else len(self.serving.roles)
         with anyio.fail_after(timeout):
-            await self.serving.table.wait_routable(want)
+            if workers is None:
+                await self.serving.wait_routable()
+            else:
+                await self.serving.model().table.wait_routable(workers)
 
 
 @asynccontextmanager

@@ -75,7 +75,7 @@ async def test_drain_hands_requests_over_without_failures() -> None:
                     while (await tree.engine_stats("decode-0")).running < 1:
                         await anyio.sleep(0.01)
                 await tree.lifecycle.ask(DrainWorker("decode-0"), timeout=None)
-                assert not tree.serving.table.workers["decode-0"].routable
+                assert not tree.serving.model().table.workers["decode-0"].routable
             assert all(r["error"] is None and r["finish"] == "length" for r in results)
             assert sorted(r["text"] for r in results) == sorted(r["text"] for r in baseline)
             stats = await tree.engine_stats("decode-0")
@@ -99,7 +99,7 @@ async def test_release_and_resume_under_load_frees_memory_and_fails_nothing() ->
                 released = _rss(pid)
                 states = await tree.lifecycle.ask(WorkerStates())
                 assert states["decode-0"]["state"] == "released"
-                assert not tree.serving.table.workers["decode-0"].routable
+                assert not tree.serving.model().table.workers["decode-0"].routable
                 # Idempotent: a second release of the same tags is an ok no-op.
                 await tree.lifecycle.ask(
                     Release(worker="decode-0", tags=(MemoryTag.WEIGHTS,)), timeout=None
@@ -110,7 +110,7 @@ async def test_release_and_resume_under_load_frees_memory_and_fails_nothing() ->
             assert len(results) == 16
         assert before - released > 64 << 20, (before, released)
         assert restored - released > 64 << 20, (released, restored)
-        assert tree.serving.table.workers["decode-0"].routable
+        assert tree.serving.model().table.workers["decode-0"].routable
         # Resume without a release is an ok no-op.
         await tree.lifecycle.ask(Resume(worker="decode-0"), timeout=None)
 
@@ -141,7 +141,7 @@ async def test_a_worker_held_out_of_service_is_not_failed_by_its_health_checks()
         await tree.lifecycle.ask(Resume(worker="decode-0"), timeout=None)
         assert (await tree.engine_stats("decode-0")).pid == pid
         assert _canaries("decode-0", "error") + _canaries("decode-0", "timeout") == failed
-        assert tree.serving.table.workers["decode-0"].routable
+        assert tree.serving.model().table.workers["decode-0"].routable
         # Back in service, it is checked again, and passes.
         passed = _canaries("decode-0", "ok")
         await wait_until(lambda: _canaries("decode-0", "ok") > passed)
@@ -156,9 +156,9 @@ async def test_partial_resume_keeps_the_worker_out_of_routing() -> None:
         await lifecycle.ask(Resume(worker="decode-1", tags=(MemoryTag.WEIGHTS,)), timeout=None)
         states = await lifecycle.ask(WorkerStates())
         assert states["decode-1"]["released"] == ["kv_cache"]
-        assert not tree.serving.table.workers["decode-1"].routable
+        assert not tree.serving.model().table.workers["decode-1"].routable
         await lifecycle.ask(Resume(worker="decode-1", tags=(MemoryTag.KV_CACHE,)), timeout=None)
-        assert tree.serving.table.workers["decode-1"].routable
+        assert tree.serving.model().table.workers["decode-1"].routable
         assert (await lifecycle.ask(WorkerStates()))["decode-1"]["state"] == "serving"
 
 
@@ -167,7 +167,7 @@ async def test_failed_release_rolls_back_to_serving() -> None:
         await tree.engine("decode-0").ask(control.InjectFault("release_memory"))
         with pytest.raises(LifecycleError, match="rolled back"):
             await tree.lifecycle.ask(Release(worker="decode-0"), timeout=None)
-        assert tree.serving.table.workers["decode-0"].routable
+        assert tree.serving.model().table.workers["decode-0"].routable
         stats = await tree.engine_stats("decode-0")
         assert stats.admitting and not stats.released
         async with httpx.AsyncClient(base_url=tree.url) as client:
@@ -182,7 +182,7 @@ async def test_rolling_release_keeps_n_minus_one_serving() -> None:
         async def watch() -> None:
             nonlocal lowest
             while not done.is_set():
-                lowest = min(lowest, tree.serving.table.routable())
+                lowest = min(lowest, tree.serving.routable())
                 await anyio.sleep(0.001)
 
         async with anyio.create_task_group() as tg:
@@ -190,7 +190,7 @@ async def test_rolling_release_keeps_n_minus_one_serving() -> None:
             await tree.lifecycle.ask(Release(pool="decode", rolling=True), timeout=None)
             done.set()
         assert lowest == 2
-        assert tree.serving.table.routable() == 3
+        assert tree.serving.routable() == 3
 
 
 async def test_control_api_needs_the_token_and_reports_errors() -> None:

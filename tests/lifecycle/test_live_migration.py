@@ -85,7 +85,7 @@ async def _drain_running(
     first token), then drain decode-0 while they generate (or send the lifecycle ``drain``,
     which must raise ``raises`` if given; ``before_drain`` is awaited first). Returns the
     results, and every worker's statistics from just before the drain."""
-    table = tree.serving.table
+    table = tree.serving.model().table
     out: list[dict[str, Any]] = []
     started = anyio.Event()
     before: dict[str, control.EngineStats] = {}
@@ -150,7 +150,7 @@ async def test_a_request_that_ends_at_the_drains_boundary_stays() -> None:
     # left on any worker.
     prompt, max_tokens = _prompts(1)[0], 12
     async with serving_tree(**DISAGG, engine_args={"timing": {"speedup": 0.1}}) as tree:
-        table = tree.serving.table
+        table = tree.serving.model().table
         async with httpx.AsyncClient(base_url=tree.url) as client:
             expected = await _stream_text(client, prompt, max_tokens)
             await _quiet(tree)
@@ -229,7 +229,7 @@ async def test_no_room_on_the_target_falls_back_to_replay() -> None:
     engine = {**SLOW, "max_running_requests": 4}
     mine, theirs = _prompts(4, "d0-"), _prompts(4, "d1-")
     async with serving_tree(**DISAGG, engine_args=engine) as tree:
-        table = tree.serving.table
+        table = tree.serving.model().table
         async with httpx.AsyncClient(base_url=tree.url) as client:
             expected = await _run(client, mine, 100, anyio.Event())
             await _quiet(tree)
@@ -287,9 +287,9 @@ async def test_memory_release_moves_the_requests_live() -> None:
             got, _ = await _drain_running(tree, client, prompts, 150, release)
             assert (await tree.lifecycle.ask(WorkerStates()))["decode-0"]["state"] == "released"
             await tree.lifecycle.ask(Resume(worker="decode-0"), timeout=None)
-            tree.serving.table.set_draining("decode-1", True)  # decode-0 serves this one
+            tree.serving.model().table.set_draining("decode-1", True)  # decode-0 serves this one
             again = await _stream_text(client, prompts[0], 150)
-            tree.serving.table.set_draining("decode-1", False)
+            tree.serving.model().table.set_draining("decode-1", False)
         await _quiet(tree)
     assert all(r["error"] is None and r["finish"] == "length" for r in got), got
     assert [r["text"] for r in got] == [r["text"] for r in expected]

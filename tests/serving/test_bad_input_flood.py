@@ -64,7 +64,7 @@ async def test_a_flood_of_bad_requests_marks_no_worker_unhealthy() -> None:
                 "/v1/completions", json={"model": "mock", "prompt": "hello", "max_tokens": 8}
             )
             assert good.status_code == 200
-        assert all(w.routable for w in tree.serving.table.workers.values())
+        assert all(w.routable for w in tree.serving.model().table.workers.values())
         assert [(await tree.engine_stats(w)).pid for w in workers] == pids
         # Health is still checked, and passes: the next canaries after the flood succeed.
         await wait_until(lambda: _canaries(workers, ok=True) > passed_before)

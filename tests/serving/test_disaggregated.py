@@ -132,8 +132,8 @@ async def test_prefill_killed_while_decode_waits_for_its_kv(
         request_timeout=20.0,
         engine_args={"prefills_alone": prefills_alone, "fail_start_file": fail_file},
     ) as tree:
-        table = tree.serving.table
-        tokens = tree.serving.tokenizer.encode(prompt)
+        table = tree.serving.model().table
+        tokens = tree.serving.model().tokenizer.encode(prompt)
         prefills = [w for w, role in tree.serving.roles.items() if role == "prefill"]
         decodes = [w for w, role in tree.serving.roles.items() if role == "decode"]
 

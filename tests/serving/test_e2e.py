@@ -186,12 +186,12 @@ async def test_kv_aware_routing_sends_a_repeated_prefix_to_its_holder() -> None:
                 prefix = f"shared context number {round_} " * 12
                 first = await _stream_text(client, prefix, 4)
                 assert first["error"] is None
-                tokens = tree.serving.tokenizer.encode(prefix)
+                tokens = tree.serving.model().tokenizer.encode(prefix)
                 with anyio.fail_after(10):
                     while (
                         max(
-                            tree.serving.table.overlap(w, tokens)
-                            for w in tree.serving.table.workers
+                            tree.serving.model().table.overlap(w, tokens)
+                            for w in tree.serving.model().table.workers
                         )
                         < 5
                     ):

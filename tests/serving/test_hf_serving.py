@@ -94,20 +94,20 @@ def _request(tree: Tree, prompt: list[int], max_tokens: int) -> PreprocessedRequ
         token_ids=prompt,
         stop_conditions=StopConditions(max_tokens=max_tokens),
         sampling_options=SamplingOptions(temperature=0.0),
-        eos_token_ids=tree.serving.tokenizer.eos_token_ids,
+        eos_token_ids=tree.serving.model().tokenizer.eos_token_ids,
     )
 
 
 async def _generate(tree: Tree, prompt: list[int], max_tokens: int, into: list[int]) -> None:
     """One request through a request-stream actor (what the frontend does for each request),
     its token ids appended to ``into`` as they come."""
-    streams = current_registry().whereis(tree.serving.streams_name)
+    streams = current_registry().whereis(tree.serving.model().streams_name)
     assert streams is not None
     serving = tree.serving
     request = _request(tree, prompt, max_tokens)
     outputs = open_request(
         SupervisorRef(streams),
-        serving.table,
+        serving.model().table,
         serving.admission,
         request,
         timeout=serving.config.request_timeout,

@@ -125,7 +125,7 @@ async def test_no_routable_decode_worker_means_503_with_retry_after(
         quarantine_cooldown=0.05,
         engine_args={"fail_start_file": str(failures)},
     ) as tree:
-        serving, table = tree.serving, tree.serving.table
+        serving, table = tree.serving, tree.serving.model().table
         role: Role = "aggregated" if mode == "aggregated" else "decode"
         failures.write_text("1000000")
         for worker in [w for w, r in serving.roles.items() if r == role]:
@@ -143,7 +143,7 @@ async def test_no_routable_decode_worker_means_503_with_retry_after(
                 assert response.json()["error"]["code"] == "capacity.no_worker"
             # One admitted just before (past the gate): its first routing fails as well, at
             # once, instead of waiting for a worker (the guard is far below the stall timeout).
-            streams = current_registry().whereis(serving.streams_name)
+            streams = current_registry().whereis(serving.model().streams_name)
             assert streams is not None
             serving.admission.enter()
             outputs = RequestOutputs(SupervisorRef(streams), _request(), serving.admission, 600)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from actors import Actor, ReplyError, current_registry
-from actors.serving import ModelService
+from actors.serving import ModelService, ServedModel
 from actors.serving.frontend import ModelInfo
 from actors.serving.requests import Admission, RequestOutputs, open_request
 from actors.serving.requests._outputs import NextAttempt
@@ -32,15 +32,16 @@ from tests.serving.test_e2e import _stream_text
 
 
 def _streams(tree: Tree) -> SupervisorRef:
-    ref = current_registry().whereis(tree.serving.streams_name)
+    ref = current_registry().whereis(tree.serving.model().streams_name)
     assert ref is not None
     return SupervisorRef(ref)
 
 
 def _service(tree: Tree) -> ModelService:
-    model = ModelInfo("mock", 4096, tree.serving.tokenizer)
+    model = ModelInfo("mock", 4096, tree.serving.model().tokenizer)
     timeout = tree.serving.config.request_timeout
-    return ModelService(model, _streams(tree), tree.serving.table, request_timeout=timeout)
+    served = ServedModel(model, _streams(tree), tree.serving.model().table, timeout)
+    return ModelService([served])
 
 
 def _request(rid: str, max_tokens: int = 200) -> PreprocessedRequest:
@@ -58,7 +59,7 @@ async def _settled(tree: Tree) -> None:
     with anyio.fail_after(15):
         while await streams.which_children():
             await anyio.sleep(0.01)
-        while any(w.active for w in tree.serving.table.workers.values()):
+        while any(w.active for w in tree.serving.model().table.workers.values()):
             await anyio.sleep(0.01)
     await _quiet(tree)
 
@@ -67,7 +68,7 @@ async def test_a_stream_whose_consumer_gave_up_before_it_ran_ends_at_once() -> N
     async with serving_tree(mode="aggregated", decode_workers=1) as tree:
         streams, admission = _streams(tree), tree.serving.admission
         outputs = open_request(
-            streams, tree.serving.table, admission, _request("gone"), timeout=600.0
+            streams, tree.serving.model().table, admission, _request("gone"), timeout=600.0
         )
         outputs.close()  # the consumer gives up before the stream has run
         assert admission.inflight == 0
@@ -154,7 +155,7 @@ async def _decode_pids(tree: Tree) -> dict[str, int]:
 
 def _routed_decode(tree: Tree) -> str:
     [worker] = [
-        w.id for w in tree.serving.table.workers.values() if w.role == "decode" and w.active
+        w.id for w in tree.serving.model().table.workers.values() if w.role == "decode" and w.active
     ]
     return worker
 
@@ -222,7 +223,7 @@ async def test_a_hung_stream_actor_cannot_hold_its_client_past_the_deadline() ->
     ) as tree:
         outputs = open_request(
             _streams(tree),
-            tree.serving.table,
+            tree.serving.model().table,
             tree.serving.admission,
             _request("hung", 4000),
             timeout=0.5,

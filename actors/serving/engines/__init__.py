@@ -80,6 +80,16 @@ from actors.serving.engines._mock._transfer import KvPages, Offer
 from actors.serving.errors import MockEngineBusy, ModelPackageMissing, SGLangRequiresAsyncio
 
 if TYPE_CHECKING:
+    from actors.serving.engines._diffusion import (
+        DiffusersEngine,
+        DiffusersEngineConfig,
+        DiffusersEngineStatistics,
+        decode_diffusers_config,
+        diffusers_config_from_dict,
+        encode_diffusers_config,
+        find_tiny_diffusion,
+        tiny_pipeline,
+    )
     from actors.serving.engines._hf import (
         HFEngine,
         HFEngineConfig,
@@ -96,8 +106,19 @@ if TYPE_CHECKING:
         load_model,
         pages_needed,
     )
+    from actors.serving.engines._hf._embed import (
+        EmbeddingHistogram,
+        HFEmbeddingConfig,
+        HFEmbeddingEngine,
+        HFEmbeddingStatistics,
+        decode_embedding_config,
+        embedding_config_from_dict,
+        encode_embedding_config,
+    )
+    from actors.serving.engines._hf._minilm import find_minilm
     from actors.serving.engines._sglang import (
         SGLangEngine,
+        SGLangImageEngine,
         SGLangMetricsReader,
         server_args_from_cli,
     )
@@ -105,6 +126,19 @@ if TYPE_CHECKING:
 # Backends with heavy or GPU-only dependencies load on first use: importing actorserve never
 # imports sglang (or torch).
 _LAZY = {
+    **dict.fromkeys(
+        (
+            "DiffusersEngine",
+            "DiffusersEngineConfig",
+            "DiffusersEngineStatistics",
+            "decode_diffusers_config",
+            "diffusers_config_from_dict",
+            "encode_diffusers_config",
+            "find_tiny_diffusion",
+            "tiny_pipeline",
+        ),
+        "actors.serving.engines._diffusion",
+    ),
     **dict.fromkeys(
         (
             "HFEngine",
@@ -124,7 +158,21 @@ _LAZY = {
         ),
         "actors.serving.engines._hf",
     ),
+    **dict.fromkeys(
+        (
+            "EmbeddingHistogram",
+            "HFEmbeddingConfig",
+            "HFEmbeddingEngine",
+            "HFEmbeddingStatistics",
+            "decode_embedding_config",
+            "embedding_config_from_dict",
+            "encode_embedding_config",
+        ),
+        "actors.serving.engines._hf._embed",
+    ),
+    "find_minilm": "actors.serving.engines._hf._minilm",
     "SGLangEngine": "actors.serving.engines._sglang",
+    "SGLangImageEngine": "actors.serving.engines._sglang",
     "SGLangMetricsReader": "actors.serving.engines._sglang",
     "server_args_from_cli": "actors.serving.engines._sglang",
 }
@@ -141,8 +189,15 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "FAKE_BOOTSTRAP_HOST",
     "BlockPoolStatistics",
+    "DiffusersEngine",
+    "DiffusersEngineConfig",
+    "DiffusersEngineStatistics",
+    "EmbeddingHistogram",
     "EngineRole",
     "EngineStream",
+    "HFEmbeddingConfig",
+    "HFEmbeddingEngine",
+    "HFEmbeddingStatistics",
     "HFEngine",
     "HFEngineConfig",
     "HFEngineStatistics",
@@ -160,15 +215,24 @@ __all__ = [
     "PrefilledKV",
     "RankStatistics",
     "SGLangEngine",
+    "SGLangImageEngine",
     "SGLangMetricsReader",
     "SGLangRequiresAsyncio",
     "StepRecord",
     "TimingModel",
     "config_from_dict",
     "decode_config",
+    "decode_diffusers_config",
+    "decode_embedding_config",
     "default_cache_dir",
+    "diffusers_config_from_dict",
+    "embedding_config_from_dict",
     "encode_config",
+    "encode_diffusers_config",
+    "encode_embedding_config",
+    "find_minilm",
     "find_smollm2",
+    "find_tiny_diffusion",
     "load_model",
     "offset_endpoint",
     "page_checksum",
@@ -176,4 +240,5 @@ __all__ = [
     "pages_needed",
     "resolve_device",
     "server_args_from_cli",
+    "tiny_pipeline",
 ]

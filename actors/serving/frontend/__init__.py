@@ -1,14 +1,14 @@
 """The OpenAI-compatible HTTP frontend.
 
 ``create_app(backend, registry)`` builds the ASGI app (chat and text completions, streaming or
-not, ``/v1/models``, ``/health``, ``/live``, ``/metrics``); ``serve(app)`` serves it (uvicorn on
-asyncio, hypercorn on trio). The :class:`Backend` protocol is the seam to whatever runs the
-requests (the router and request-stream actors); :class:`ModelInfo` describes a served model and
-its :class:`Tokenizer` (:class:`ByteTokenizer` for the mock engine, :class:`HFTokenizer` for real
-models).
+not, embeddings, image generation, ``/v1/models``, ``/health``, ``/live``, ``/metrics``);
+``serve(app)`` serves it (uvicorn on asyncio, hypercorn on trio). The :class:`Backend` protocol
+is the seam to whatever runs the requests (the router and request-stream actors);
+:class:`ModelInfo` describes a served model and its :class:`Tokenizer` (:class:`ByteTokenizer` for
+the mock engine, :class:`HFTokenizer` for real models).
 """
 
-from actors.serving.frontend._app import DEFAULT_MAX_BODY_BYTES, create_app
+from actors.serving.frontend._app import DEFAULT_IMAGE_DIR, DEFAULT_MAX_BODY_BYTES, create_app
 from actors.serving.frontend._auth import OPS_PATHS, ApiKeys, read_key_file
 from actors.serving.frontend._backend import (
     Backend,
@@ -17,6 +17,7 @@ from actors.serving.frontend._backend import (
     WorkerHealth,
     WorkerState,
 )
+from actors.serving.frontend._images import ImageStore
 from actors.serving.frontend._metrics import FrontendMetrics
 from actors.serving.frontend._parsers import (
     REASONING_PARSER_NAMES,
@@ -28,6 +29,7 @@ from actors.serving.frontend._tokenizer import ByteTokenizer, Detokenizer, HFTok
 
 __all__ = [
     "DEFAULT_HEADER_TIMEOUT_S",
+    "DEFAULT_IMAGE_DIR",
     "DEFAULT_MAX_BODY_BYTES",
     "OPS_PATHS",
     "REASONING_PARSER_NAMES",
@@ -38,6 +40,7 @@ __all__ = [
     "Detokenizer",
     "FrontendMetrics",
     "HFTokenizer",
+    "ImageStore",
     "ModelHealth",
     "ModelInfo",
     "TlsFiles",

@@ -7,7 +7,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import structlog
@@ -19,14 +19,27 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from protocols.engine import EngineOutput
-from protocols.errors import ModelNotFound, Overloaded, RequestError
+from protocols.engine import EngineOutput, ModelKind, PreprocessedRequest
+from protocols.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    RequestError,
+    StreamIncomplete,
+)
 
 from ._auth import ApiKeys
 from ._backend import Backend, ModelInfo
 from ._choices import Part, best, choice_parts, pump, usage_of
 from ._chunks import DONE_FRAME, ChatRenderer, CompletionRenderer, error_frame
 from ._door import Door, GenerationRoute
+from ._embeddings import (
+    EMBEDDINGS_PATH,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    embedding_body,
+    embedding_requests,
+)
 from ._errors import (
     error_body,
     error_payload,
@@ -35,6 +48,17 @@ from ._errors import (
     http_exception_response,
     internal_error_handler,
     internal_error_response,
+)
+from ._images import (
+    IMAGES_PATH,
+    ImageGenerationRequest,
+    ImageResponse,
+    ImageStore,
+    completed_event,
+    image_body,
+    image_entry,
+    image_requests,
+    progress_event,
 )
 from ._mapping import (
     build_request,
@@ -71,6 +95,8 @@ log = logging.getLogger("actorserve.frontend")
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+#: Where images asked for as ``url`` go unless the app is given a store.
+DEFAULT_IMAGE_DIR = "~/.cache/actorserve/images"
 #: Request bodies above this are refused (413) before they are read.
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -110,6 +136,7 @@ def create_app(
     ping_interval_s: float = 0.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_keys: ApiKeys | None = None,
+    images: ImageStore | None = None,
 ) -> FastAPI:
     """The frontend's ASGI app for ``backend``.
 
@@ -120,19 +147,25 @@ def create_app(
     stretches of a stream, for proxies that cut idle connections; off by default, like vLLM's and
     SGLang's servers, because the ping task costs about as much CPU per stream as the rest of the
     SSE machinery. With ``api_keys``, the requests that need a key and carry none of them get a
-    401 (see :mod:`._auth`).
+    401 (see :mod:`._auth`). Images asked for as ``url`` are written to ``images`` (by default a
+    folder in the user's cache).
     """
     frontend = _Frontend(backend, registry, max_inflight, retry_after_s, ping_interval_s)
+    frontend.image_store = images or ImageStore(DEFAULT_IMAGE_DIR)
     ops = Ops(backend, registry)
     chat = GenerationRoute(CHAT_PATH, ChatCompletionRequest, frontend.chat_completions)
     completions = GenerationRoute(COMPLETIONS_PATH, CompletionRequest, frontend.completions)
-    door = Door([chat, completions], max_body_bytes, frontend.metrics)
+    embeddings = GenerationRoute(EMBEDDINGS_PATH, EmbeddingRequest, frontend.embeddings)
+    images_route = GenerationRoute(IMAGES_PATH, ImageGenerationRequest, frontend.images)
+    door = Door([chat, completions, embeddings, images_route], max_body_bytes, frontend.metrics)
     app = _App(
         door,
         api_keys,
         [
             _documented(chat, ChatCompletionResponse),
             _documented(completions, CompletionResponse),
+            _documented(embeddings, EmbeddingResponse),
+            _documented(images_route, ImageResponse),
         ],
         title="actorserve",
         version="0.1.0",
@@ -263,6 +296,7 @@ class _Frontend:
         self.retry_after_s = retry_after_s
         self.ping_interval_s = ping_interval_s
         self.inflight = 0
+        self.image_store = ImageStore(DEFAULT_IMAGE_DIR)
 
     # --- generation endpoints ---------------------------------------------------------------
 
@@ -364,10 +398,164 @@ class _Frontend:
         except Exception as exc:
             return self._internal(m, exc)
 
-    def _admit(self, model: str) -> ModelInfo:
+    async def embeddings(self, request: Request, body: EmbeddingRequest) -> Response:
+        """Embed texts or token ids (OpenAI ``POST /v1/embeddings``)."""
+        m = self.metrics.start(EMBEDDINGS_PATH)
+        try:
+            info = self._admit(body.model, ("embedding",))
+            preqs = await embedding_requests(info, body)
+            self._enter(m, info, sum(len(p.token_ids) for p in preqs), "unary")
+            outputs = await self._last_outputs(request, info, preqs)
+            if outputs is None:
+                self._finish(m, "cancelled", disconnected=True)
+                return Response(status_code=499)
+            content = embedding_body(info.name, outputs, body.encoding_format)
+            self._finish(m, "success")
+            return Response(content, media_type="application/json")
+        except RequestError as exc:
+            return self._fail(m, exc)
+        except Exception as exc:
+            return self._internal(m, exc)
+
+    async def images(self, request: Request, body: ImageGenerationRequest) -> Response:
+        """Generate pictures (OpenAI ``POST /v1/images/generations``)."""
+        m = self.metrics.start(IMAGES_PATH)
+        try:
+            info = self._admit(body.model, ("image",))
+            preqs = image_requests(body)
+            if body.stream:
+                self._enter(m, info, 0, "stream")
+                return SSEResponse(
+                    partial(self._stream_images, info=info, preqs=preqs, body=body, m=m),
+                    ping_s=self.ping_interval_s,
+                )
+            self._enter(m, info, 0, "unary")
+            outputs = await self._last_outputs(request, info, preqs)
+            if outputs is None:
+                self._finish(m, "cancelled", disconnected=True)
+                return Response(status_code=499)
+            entries = [
+                await self._image_entry(preq, out, body.response_format)
+                for preq, out in zip(preqs, outputs, strict=True)
+            ]
+            self._finish(m, "success")
+            return Response(image_body(entries), media_type="application/json")
+        except RequestError as exc:
+            return self._fail(m, exc)
+        except Exception as exc:
+            return self._internal(m, exc)
+
+    async def _last_outputs(
+        self, request: Request, info: ModelInfo, preqs: Sequence[PreprocessedRequest]
+    ) -> list[EngineOutput] | None:
+        """Each engine request's final output (``None``: the client left first, and every
+        request was cancelled)."""
+        outputs: list[EngineOutput | None] = [None] * len(preqs)
+
+        async def last(index: int, stream: AsyncIterator[EngineOutput]) -> None:
+            out = await next_output(stream)
+            while not out.finished:
+                out = await next_output(stream)
+            outputs[index] = out
+
+        _, disconnected = await until_disconnected(
+            request.receive, partial(self._each, info, preqs, last)
+        )
+        if disconnected:
+            return None
+        return [out for out in outputs if out is not None]
+
+    async def _image_entry(
+        self, preq: PreprocessedRequest, out: EngineOutput, fmt: Literal["b64_json", "url"]
+    ) -> dict[str, Any]:
+        if out.image is None:
+            raise StreamIncomplete(f"the engine answered {preq.rid} without an image")
+        if fmt == "url":
+            # The store may be a remote file system: off the event loop.
+            return await anyio.to_thread.run_sync(
+                image_entry, self.image_store, preq.rid, out.image, fmt
+            )
+        return image_entry(self.image_store, preq.rid, out.image, fmt)
+
+    async def _stream_images(
+        self,
+        writer: SSEWriter,
+        info: ModelInfo,
+        preqs: list[PreprocessedRequest],
+        body: ImageGenerationRequest,
+        m: RequestMetrics,
+    ) -> None:
+        """Produce the SSE response of every picture: progress events as their steps end, a
+        completed event each. The status line waits for every picture's first output, so a
+        refusal (a size the model cannot make) keeps its own status."""
+        status, error_type = "cancelled", ""
+        queue = FrameQueue()
+        failure: Exception | None = None
+        early = False
+        waiting, started = len(preqs), anyio.Event()
+        steps = body.num_inference_steps
+
+        async def consume(index: int, outputs: AsyncIterator[EngineOutput]) -> None:
+            nonlocal waiting
+            out = await next_output(outputs)
+            waiting -= 1
+            if not waiting:
+                started.set()
+            while not out.finished:
+                if out.step is not None:
+                    await queue.put(progress_event(index, out.step, steps))
+                out = await next_output(outputs)
+            entry = await self._image_entry(preqs[index], out, body.response_format)
+            await queue.put(completed_event(index, entry))
+
+        async def generate() -> None:
+            nonlocal failure, early
+            try:
+                await self._each(info, preqs, consume)
+            except Exception as exc:
+                failure, early = exc, not started.is_set()
+            started.set()
+            queue.close()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(generate)
+                await started.wait()
+                if early:
+                    assert failure is not None
+                    head, error_type = self._early_error(failure)
+                    status = "error"
+                    await writer.start(head)
+                    return
+                await writer.start()
+                frames = await queue.take()
+                while not queue.closed:
+                    await writer.send(frames)
+                    frames = await queue.take()
+            ending = [frames]
+            if failure is None:
+                status = "success"
+            else:
+                frame, error_type = _late_error(failure)
+                status = "error"
+                ending.append(frame)
+            ending.append(DONE_FRAME)
+            await writer.end(b"".join(ending))
+        finally:
+            self._finish(m, status, error_type, disconnected=writer.disconnected)
+
+    def _admit(self, model: str, kinds: tuple[ModelKind, ...] = ("chat", "dllm")) -> ModelInfo:
         info = next((i for i in self.backend.models() if i.name == model), None)
         if info is None:
-            exc = ModelNotFound(f"The model `{model}` does not exist.")
+            exc: RequestError = ModelNotFound(f"The model `{model}` does not exist.")
+            setattr(exc, "param", "model")  # noqa: B010
+            raise exc
+        if info.kind not in kinds:
+            exc = InvalidRequest(
+                f"The model `{model}` serves {info.kind}; this endpoint takes "
+                + " or ".join(kinds)
+                + " models."
+            )
             setattr(exc, "param", "model")  # noqa: B010
             raise exc
         if self.max_inflight is not None and self.inflight >= self.max_inflight:
@@ -406,44 +594,59 @@ class _Frontend:
         m.admitted(info.name, kind, prompt_tokens)
         self.inflight += 1
 
-    async def _each_choice(
+    async def _each(
         self,
         info: ModelInfo,
-        parts: Sequence[Part],
-        consume: Callable[[Part, AsyncIterator[EngineOutput]], Awaitable[None]],
+        preqs: Sequence[PreprocessedRequest],
+        consume: Callable[[int, AsyncIterator[EngineOutput]], Awaitable[None]],
     ) -> None:
-        """``consume`` the outputs of every part's engine request, all at once (one task each,
-        when there are several); the first failure cancels the others and is raised as it is.
-        Each part's outputs are closed (the engine request aborted, if unfinished) as it ends."""
-        if len(parts) == 1:
-            await self._consume(info, parts[0], consume)
+        """``consume`` the outputs of every engine request (with its index), all at once (one
+        task each, when there are several); the first failure cancels the others and is raised
+        as it is. Each request's outputs are closed (the request aborted, if unfinished) as its
+        consumer ends."""
+        if len(preqs) == 1:
+            await self._consume(info, 0, preqs[0], consume)
             return
         failures: list[Exception] = []
         async with anyio.create_task_group() as tg:
 
-            async def run(part: Part) -> None:
+            async def run(index: int, preq: PreprocessedRequest) -> None:
                 try:
-                    await self._consume(info, part, consume)
+                    await self._consume(info, index, preq, consume)
                 except Exception as exc:
                     failures.append(exc)
                     tg.cancel_scope.cancel()
 
-            for part in parts:
-                tg.start_soon(run, part)
+            for index, preq in enumerate(preqs):
+                tg.start_soon(run, index, preq)
         if failures:
             raise failures[0]
 
     async def _consume(
         self,
         info: ModelInfo,
-        part: Part,
-        consume: Callable[[Part, AsyncIterator[EngineOutput]], Awaitable[None]],
+        index: int,
+        preq: PreprocessedRequest,
+        consume: Callable[[int, AsyncIterator[EngineOutput]], Awaitable[None]],
     ) -> None:
-        outputs = self.backend.generate(info.name, part.preq)
+        outputs = self.backend.generate(info.name, preq)
         try:
-            await consume(part, outputs)
+            await consume(index, outputs)
         finally:
             await aclose_quietly(outputs)
+
+    def _each_choice(
+        self,
+        info: ModelInfo,
+        parts: Sequence[Part],
+        consume: Callable[[Part, AsyncIterator[EngineOutput]], Awaitable[None]],
+    ) -> Awaitable[None]:
+        """:meth:`_each` over the choices' engine requests."""
+
+        def by_index(index: int, outputs: AsyncIterator[EngineOutput]) -> Awaitable[None]:
+            return consume(parts[index], outputs)
+
+        return self._each(info, [part.preq for part in parts], by_index)
 
     async def _unary(
         self,

@@ -8,7 +8,7 @@ from typing import Literal, Protocol, runtime_checkable
 import attrs
 from prometheus_client import CollectorRegistry
 
-from protocols.engine import EngineOutput, PreprocessedRequest
+from protocols.engine import EngineOutput, ModelKind, PreprocessedRequest
 
 from ._tokenizer import Tokenizer
 
@@ -44,6 +44,8 @@ class ModelInfo:
     name: str
     context_length: int
     tokenizer: Tokenizer
+    #: What it serves, hence which endpoints take it (chat and dllm: chat and completions).
+    kind: ModelKind = "chat"
     #: Unix time shown as ``created`` in ``/v1/models``.
     created: int = 0
     owned_by: str = "actorserve"

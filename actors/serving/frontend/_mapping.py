@@ -31,6 +31,7 @@ __all__ = [
     "completion_prompts",
     "guided_decoding",
     "logit_bias",
+    "tokenize",
 ]
 
 #: Prompts longer than this (in characters) are tokenised in a worker thread, so one huge prompt
@@ -39,9 +40,11 @@ __all__ = [
 _THREAD_TOKENIZE_CHARS = 32_768
 
 
-async def _tokenize(
+async def tokenize(
     fn: Callable[[], list[int]], size: int, info: ModelInfo, param: str
 ) -> list[int]:
+    """``fn()``, the token ids of a text of ``size`` characters, for the request's ``param``:
+    refused unrun when the text must be longer than the context, in a thread when large."""
     # A text can encode to no fewer tokens than this: past the context, refuse it before the
     # tokenizer builds a list of ids as long as the text (a large prompt would pin memory).
     at_least = -(-size // info.tokenizer.max_token_chars)
@@ -60,7 +63,7 @@ async def chat_prompt(
     tokenizer = info.tokenizer
     messages, tool_specs = template_messages(body.messages, tools, native=tokenizer.renders_tools)
     size = sum(len(m["content"]) for m in messages)
-    return await _tokenize(
+    return await tokenize(
         lambda: tokenizer.apply_chat_template(messages, tools=tool_specs), size, info, "messages"
     )
 
@@ -72,7 +75,7 @@ async def completion_prompts(
     prompts: list[tuple[str, list[int]]] = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
-            ids = await _tokenize(
+            ids = await tokenize(
                 partial(info.tokenizer.encode, prompt), len(prompt), info, "prompt"
             )
             prompts.append((prompt, ids))

@@ -240,6 +240,10 @@ class HFTokenizer:
                 "needs one (tokenizer.json)"
             )
         self._tok = tokenizer
+        # Some tokenizer.json files truncate (all-MiniLM-L6-v2's at 128 tokens) or pad: a prompt
+        # is never cut silently; one too long for the model is refused by its length.
+        backend.no_truncation()
+        backend.no_padding()
         self._backend = backend
         if eos_token_ids is None:
             eos = tokenizer.eos_token_id

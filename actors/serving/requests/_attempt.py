@@ -5,8 +5,10 @@ The request-stream actor (``_request.py``) opens each attempt; its consumer read
 task (``_outputs.py``) through :meth:`Attempt.receive`, which applies the request's rules to
 every output: migration timing, the repeated token of a live migration, usage counted against
 the client's own prompt, and a draining worker's offer of the request's KV (:class:`Handover`,
-told to the actor at once as :class:`Prepare`). The request's :class:`Progress` is used by one
-side at a time, never by both.
+told to the actor at once as :class:`Prepare`). An output with neither tokens nor a finish is
+skipped, but for a block-diffusion (``dllm``) model, whose every output is a block: there it is
+a migratable :class:`~protocols.errors.EmptyOutput` (as Dynamo's handler has it). The request's
+:class:`Progress` is used by one side at a time, never by both.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from actors.serving.requests._metrics import (
     PROMPT_TOKENS,
 )
 from actors.serving.routing import Routed
-from protocols.engine import BootstrapInfo, EngineOutput, PreprocessedRequest, Usage
+from protocols.engine import BootstrapInfo, EngineOutput, ModelKind, PreprocessedRequest, Usage
 from protocols.errors import (
+    EmptyOutput,
     KVTransferError,
     RequestTimeout,
     StreamIncomplete,
@@ -72,6 +75,7 @@ class Attempt:
     """
 
     __slots__ = (
+        "_blocks",
         "_model",
         "_owner",
         "_stall",
@@ -95,6 +99,7 @@ class Attempt:
         stall_timeout: float,
         request_timeout: float,
         owner: ActorRef[Any] | None = None,
+        kind: ModelKind = "chat",
     ) -> None:
         self.routed = routed
         self.request = request
@@ -106,9 +111,10 @@ class Attempt:
         self._stall = stall_timeout
         self._timeout = request_timeout
         self._owner = owner  # the request stream, told of an offer (:class:`Prepare`)
+        self._blocks = kind == "dllm"  # every output is a block: an empty one is an error
 
     async def receive(self) -> EngineOutput:
-        """The next output for the client (empty ones are skipped)."""
+        """The next output for the client (empty ones are skipped, or fail: see the module)."""
         while True:
             left = self.progress.deadline - time.monotonic()
             if left <= 0:
@@ -124,6 +130,8 @@ class Attempt:
                 raise StreamStalled(
                     f"no output for {self._stall} s from {self.routed.worker_id}"
                 ) from None
+            if self._blocks:
+                self._check_block(output)
             accepted = self.accept(output)
             if accepted is not None:
                 return accepted
@@ -132,10 +140,22 @@ class Attempt:
         """An output already here for the client, or ``None``."""
         outputs = self.outputs
         while not self.finished and outputs.buffered:
-            accepted = self.accept(outputs.receive_nowait())
+            output = outputs.receive_nowait()
+            if self._blocks:
+                self._check_block(output)
+            accepted = self.accept(output)
             if accepted is not None:
                 return accepted
         return None
+
+    def _check_block(self, output: EngineOutput) -> None:
+        """A block-diffusion model's output as the engine sent it: raise :class:`EmptyOutput`
+        if it has neither tokens nor a finish (a draining worker's offer aside)."""
+        empty = not output.token_ids and output.finish_reason is None
+        if empty and output.disaggregated_params is None:
+            raise EmptyOutput(
+                f"an output with neither tokens nor a finish from {self.routed.worker_id}"
+            )
 
     def accept(self, output: EngineOutput) -> EngineOutput | None:
         """The request stream's rules for one engine output: what the client gets of it."""
@@ -161,7 +181,8 @@ class Attempt:
                 PROMPT_TOKENS.labels(worker).inc(usage.prompt_tokens)
                 CACHED_TOKENS.labels(worker).inc(usage.cached_tokens)
             return _final(output, progress.original, progress.generated)
-        return output if output.token_ids else None
+        # An image engine's progress (a denoising step done) carries no tokens but is news.
+        return output if output.token_ids or output.step is not None else None
 
     def _offered(self, output: EngineOutput) -> EngineOutput | None:
         """A draining worker's offer of the request's KV, after the tokens it comes with: noted

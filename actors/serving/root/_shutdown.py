@@ -75,7 +75,7 @@ async def shutdown_serving(serving: Serving, budgets: Budgets) -> None:
             await admission.wait_idle()
         if admission.inflight:
             _log.warning("drain budget exceeded", inflight=admission.inflight)
-            for entry in list(serving.table.workers.values()):
+            for entry in serving.workers():
                 try:
                     await entry.engine.ask(control.Drain(handover=True, shutdown=True), timeout=2.0)
                 except ActorError:
@@ -84,7 +84,7 @@ async def shutdown_serving(serving: Serving, budgets: Budgets) -> None:
                 await admission.wait_idle()
     with _Stage("shutdown", "transfers"):
         with anyio.move_on_after(budgets.transfers):
-            for entry in list(serving.table.workers.values()):
+            for entry in serving.workers():
                 if entry.role == "prefill":
                     try:
                         await wait_quiescent(entry.engine)

@@ -13,6 +13,7 @@ from actors.serving.frontend import (
     ApiKeys,
     ByteTokenizer,
     HFTokenizer,
+    ImageStore,
     ModelInfo,
     TlsFiles,
     Tokenizer,
@@ -21,11 +22,12 @@ from actors.serving.frontend import (
     serve,
 )
 from actors.serving.requests import Admission, RequestStream, StreamOptions, declare_model
-from actors.serving.root._config import ServeConfig
-from actors.serving.root._service import ModelService
-from actors.serving.routing import Role, RoutingTable
+from actors.serving.root._config import ModelConfig, ServeConfig
+from actors.serving.root._service import ModelService, ServedModel
+from actors.serving.routing import Role, RoutingTable, WorkerEntry
 from actors.serving.worker import EngineSetup, HealthOptions, engine_backend, worker_spec
 from actors.telemetry import REGISTRY
+from protocols.engine import ModelKind
 from supervisors import (
     ChildSpec,
     Quarantine,
@@ -36,20 +38,22 @@ from supervisors import (
     SupervisorRef,
 )
 
-__all__ = ["Frontend", "Serving", "build_tree"]
+__all__ = ["Frontend", "ModelServing", "Serving", "build_tree"]
 
 
-class Serving:
-    """What a built tree shares: the routing view and the served model's description."""
+class ModelServing:
+    """One served model: its workers' roles, its routing table, its backend and tokenizer."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ModelConfig, prefix: str = "") -> None:
         self.config = config
         roles: dict[str, Role] = {}
         if config.mode == "disaggregated":
-            roles.update({f"prefill-{i}": "prefill" for i in range(config.prefill_workers)})
-            roles.update({f"decode-{i}": "decode" for i in range(config.decode_workers)})
+            roles.update({f"{prefix}prefill-{i}": "prefill" for i in range(config.prefill_workers)})
+            roles.update({f"{prefix}decode-{i}": "decode" for i in range(config.decode_workers)})
         else:
-            roles.update({f"decode-{i}": "aggregated" for i in range(config.decode_workers)})
+            roles.update(
+                {f"{prefix}decode-{i}": "aggregated" for i in range(config.decode_workers)}
+            )
         self.roles = roles
         self.table = RoutingTable(roles)
         self.backend = backend = engine_backend(config.backend)
@@ -57,10 +61,13 @@ class Serving:
         # here: a missing model package fails before any worker starts, and a first run
         # converts the model once instead of in every engine process.
         find = backend.find_model
-        self.model_dir: Path | None = find(config.engine_args) if find is not None else None
+        self.model_dir: Path | None = (
+            find(config.engine_args, config.kind) if find is not None else None
+        )
+        self.tokenizer: Tokenizer
         if config.tokenizer:
-            self.tokenizer: Tokenizer = HFTokenizer(config.tokenizer)
-        elif self.model_dir is not None:
+            self.tokenizer = HFTokenizer(config.tokenizer)
+        elif self.model_dir is not None and config.kind != "image":
             self.tokenizer = HFTokenizer(self.model_dir)  # the model's own, chat template too
         else:
             self.tokenizer = ByteTokenizer()
@@ -68,6 +75,72 @@ class Serving:
             # Engine processes fork from our forkserver: with these imported there once
             # (before its next fork), a worker (re)start skips their imports.
             preload(list(backend.preload))
+
+    @property
+    def name(self) -> str:
+        return self.config.model
+
+    @property
+    def streams_name(self) -> str:
+        return f"{self.config.model}/streams"
+
+    def engine_config(self, role: Role, worker_id: str = "", threads: int = 1) -> bytes:
+        """The configuration of the engine of ``worker_id``, a ``role`` worker, as its backend
+        takes it."""
+        cfg = self.config
+        eos = self.tokenizer.eos_token_ids
+        kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.router == "kv_aware"
+        setup = EngineSetup(
+            role=role,
+            model=cfg.model,
+            eos_token_id=eos[0] if eos else 2,
+            model_dir=self.model_dir,
+            threads=threads,
+            memory_release=cfg.memory_release,
+            kv_events=kv_events,
+            worker_id=worker_id,
+            kind=cfg.kind,
+        )
+        own = cfg.prefill_engine_args if role == "prefill" else cfg.decode_engine_args
+        return self.backend.configure({**cfg.engine_args, **own}, setup)
+
+    def vocab_size(self) -> int | None:
+        """How many token ids the model's engines have, where the model folder says."""
+        return None if self.model_dir is None else _vocab_size(self.model_dir)
+
+    def context_length(self) -> int:
+        configured = self.config.engine_args.get("context_length")
+        if self.model_dir is not None:
+            # The model's own limit (what the engine enforces), capped by the configuration.
+            model = _max_positions(self.model_dir, self.config.kind)
+            return min(model, int(configured)) if configured is not None else model
+        return int(configured if configured is not None else 32768)
+
+    def info(self) -> ModelInfo:
+        """The model as the frontend sees it."""
+        cfg = self.config
+        return ModelInfo(
+            cfg.model,
+            self.context_length(),
+            self.tokenizer,
+            kind=cfg.kind,
+            tool_call_parser=cfg.tool_call_parser,
+            reasoning_parser=cfg.reasoning_parser,
+            vocab_size=self.vocab_size(),
+        )
+
+
+class Serving:
+    """What a built tree shares: every served model (:class:`ModelServing`), the admission
+    gate, and the HTTP server's keys and certificates."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        served = config.served()
+        # Worker ids name registered actors, so they are unique in the root: with several
+        # models, each model's carry its name.
+        several = len(served) > 1
+        self.models = [ModelServing(m, f"{m.model}/" if several else "") for m in served]
         self.port: int | None = None
         self.admission = Admission()
         # Keys and certificates are read here, once, so that a bad file fails before any worker
@@ -81,28 +154,39 @@ class Serving:
             self.tls = TlsFiles(config.ssl_certfile, config.ssl_keyfile)
             self.tls.check()
 
-    @property
-    def streams_name(self) -> str:
-        return f"{self.config.model}/streams"
+    def model(self, name: str | None = None) -> ModelServing:
+        """The served model called ``name`` (``None``: the first)."""
+        if name is None:
+            return self.models[0]
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise LookupError(f"model {name!r} is not served")
 
-    def engine_config(self, role: Role, worker_id: str = "") -> bytes:
-        """The configuration of the engine of ``worker_id``, a ``role`` worker, as its backend
-        takes it."""
-        cfg = self.config
-        eos = self.tokenizer.eos_token_ids
-        kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.router == "kv_aware"
-        setup = EngineSetup(
-            role=role,
-            model=cfg.model,
-            eos_token_id=eos[0] if eos else 2,
-            model_dir=self.model_dir,
-            threads=self.hf_threads(),
-            memory_release=cfg.memory_release,
-            kv_events=kv_events,
-            worker_id=worker_id,
-        )
-        own = cfg.prefill_engine_args if role == "prefill" else cfg.decode_engine_args
-        return self.backend.configure({**cfg.engine_args, **own}, setup)
+    @property
+    def roles(self) -> dict[str, Role]:
+        """Every worker of every model, and its role."""
+        return {wid: role for m in self.models for wid, role in m.roles.items()}
+
+    def table_of(self, worker_id: str) -> RoutingTable:
+        """The routing table ``worker_id`` is in (``LookupError``: no such worker)."""
+        for model in self.models:
+            if worker_id in model.roles:
+                return model.table
+        raise LookupError(f"no worker {worker_id!r}")
+
+    def workers(self) -> list[WorkerEntry]:
+        """The registered workers of every model."""
+        return [entry for m in self.models for entry in m.table.workers.values()]
+
+    def routable(self) -> int:
+        """How many workers of every model can be routed to now."""
+        return sum(m.table.routable() for m in self.models)
+
+    async def wait_routable(self) -> None:
+        """Return once every worker of every model is registered."""
+        for model in self.models:
+            await model.table.wait_routable(len(model.roles))
 
     def hf_threads(self) -> int:
         """CPU (torch) threads per engine: this process's cores shared among the engine
@@ -110,18 +194,6 @@ class Serving:
         threads wait for each other at every matrix product, so one preempted thread stalls the
         whole step."""
         return max(1, len(os.sched_getaffinity(0)) // max(1, len(self.roles)))
-
-    def vocab_size(self) -> int | None:
-        """How many token ids the model's engines have, where the model folder says."""
-        return None if self.model_dir is None else _vocab_size(self.model_dir)
-
-    def context_length(self) -> int:
-        configured = self.config.engine_args.get("context_length")
-        if self.model_dir is not None:
-            # The model's own limit (what the engine enforces), capped by the configuration.
-            model = _max_positions(self.model_dir)
-            return min(model, int(configured)) if configured is not None else model
-        return int(configured if configured is not None else 32768)
 
 
 def _vocab_size(folder: Path) -> int | None:
@@ -133,9 +205,16 @@ def _vocab_size(folder: Path) -> int | None:
         return None
 
 
-def _max_positions(folder: Path) -> int:
-    """``max_position_embeddings`` from a transformers folder's ``config.json``."""
+def _max_positions(folder: Path, kind: ModelKind) -> int:
+    """How many tokens the model reads: a sentence-transformers folder's ``max_seq_length``
+    (what it was trained on, below the encoder's positions), else ``max_position_embeddings``
+    from a transformers folder's ``config.json`` (an image pipeline's from its text encoder)."""
     try:
+        if kind == "embedding" and (folder / "sentence_bert_config.json").exists():
+            data = json.loads((folder / "sentence_bert_config.json").read_text())
+            return int(data["max_seq_length"])
+        if kind == "image":
+            folder = folder / "text_encoder"
         data = json.loads((folder / "config.json").read_text())
         return int(data["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -143,7 +222,7 @@ def _max_positions(folder: Path) -> int:
 
 
 class Frontend(Actor):
-    """Serves the OpenAI-compatible API for the model's service."""
+    """Serves the OpenAI-compatible API for every served model."""
 
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
@@ -151,30 +230,26 @@ class Frontend(Actor):
     async def started(self) -> None:
         serving = self.serving
         cfg = serving.config
-        streams = current_registry().whereis(serving.streams_name)
-        if streams is None:
-            raise LookupError(f"no {serving.streams_name!r} supervisor")
-        model = ModelInfo(
-            cfg.model,
-            serving.context_length(),
-            serving.tokenizer,
-            tool_call_parser=cfg.tool_call_parser,
-            reasoning_parser=cfg.reasoning_parser,
-            vocab_size=serving.vocab_size(),
-        )
-        service = ModelService(
-            model,
-            SupervisorRef(streams),
-            serving.table,
-            serving.admission,
-            request_timeout=cfg.request_timeout,
-        )
+        served = []
+        for model in serving.models:
+            streams = current_registry().whereis(model.streams_name)
+            if streams is None:
+                raise LookupError(f"no {model.streams_name!r} supervisor")
+            served.append(
+                ServedModel(
+                    model.info(),
+                    SupervisorRef(streams),
+                    model.table,
+                    request_timeout=model.config.request_timeout,
+                )
+            )
         app = create_app(
-            service,
+            ModelService(served, serving.admission),
             REGISTRY,
             max_inflight=cfg.max_inflight,
             max_body_bytes=cfg.max_body_bytes,
             api_keys=serving.api_keys,
+            images=ImageStore(cfg.image_dir),
         )
         serving.port = await self.task_group.start(
             partial(
@@ -188,36 +263,31 @@ class Frontend(Actor):
         )
 
 
-def _pool(serving: Serving, role: str) -> ChildSpec:
-    cfg = serving.config
-    ids = [wid for wid, r in serving.roles.items() if (r == "prefill") == (role == "prefill")]
+def _pool(serving: Serving, model: ModelServing, role: str) -> ChildSpec:
+    cfg = model.config
+    ids = [wid for wid, r in model.roles.items() if (r == "prefill") == (role == "prefill")]
     # Workers run on uvloop where installed: about half the CPU per message of plain asyncio.
     process = ProcessOptions(
         heartbeat_timeout=cfg.heartbeat_timeout,
         backend=default_loop(),
-        start_timeout=serving.backend.start_timeout,
+        start_timeout=model.backend.start_timeout,
     )
     health = HealthOptions(
         idle_after=cfg.health_idle_after,
         timeout=cfg.health_timeout,
         failures=cfg.health_failures,
     )
-    engine_role = serving.roles[ids[0]]
-    # A worker that escalates again within a minute of its last escalation is crash-looping: it
-    # is left down (out of routing, "quarantined" in the tree and the metrics) instead of using
-    # up its pool's intensity, which would restart the healthy workers and the streams with it.
-    cooldown = cfg.quarantine_cooldown
-    quarantine = Quarantine(intensity=1, period=60.0, cooldown=cooldown, max_cooldown=24 * cooldown)
+    engine_role = model.roles[ids[0]]
     workers = [
         worker_spec(
             wid,
             cfg.backend,
-            serving.engine_config(engine_role, wid),
+            model.engine_config(engine_role, wid, serving.hf_threads()),
             process=process,
             health=health,
-            directory=serving.table,
-            sink=serving.table,
-            quarantine=quarantine,
+            directory=model.table,
+            sink=model.table,
+            quarantine=_quarantine(cfg.quarantine_cooldown),
         )
         for wid in ids
     ]
@@ -233,14 +303,21 @@ def _pool(serving: Serving, role: str) -> ChildSpec:
     return ChildSpec(name, start, kind="supervisor")
 
 
-def build_tree(serving: Serving) -> list[ChildSpec]:
-    """The root's children: the model subtree, then the frontend."""
-    cfg = serving.config
-    pools = [_pool(serving, "decode")]
+def _quarantine(cooldown: float) -> Quarantine:
+    # A child that escalates again within a minute of its last escalation is crash-looping: it
+    # is left down (out of routing, "quarantined" in the tree and the metrics) instead of using
+    # up its parent's intensity, which would restart its healthy siblings with it.
+    return Quarantine(intensity=1, period=60.0, cooldown=cooldown, max_cooldown=24 * cooldown)
+
+
+def _model_tree(serving: Serving, model: ModelServing) -> ChildSpec:
+    cfg = model.config
+    pools = [_pool(serving, model, "decode")]
     if cfg.mode == "disaggregated":
-        pools.insert(0, _pool(serving, "prefill"))
+        pools.insert(0, _pool(serving, model, "prefill"))
     options = StreamOptions(
         model=cfg.model,
+        kind=cfg.kind,
         disaggregated=cfg.mode == "disaggregated",
         migration_limit=cfg.migration_limit,
         stall_timeout=cfg.stall_timeout,
@@ -250,7 +327,7 @@ def build_tree(serving: Serving) -> list[ChildSpec]:
     declare_model(options.model)
 
     def stream() -> RequestStream:
-        return RequestStream(serving.table, options)
+        return RequestStream(model.table, options)
 
     streams = ChildSpec(
         "streams",
@@ -260,20 +337,28 @@ def build_tree(serving: Serving) -> list[ChildSpec]:
             name="streams",
         ),
         kind="supervisor",
-        name=serving.streams_name,
+        name=model.streams_name,
     )
-    model_children = [*pools, streams]
+    children = [*pools, streams]
 
-    def model() -> Supervisor:
+    def start() -> Supervisor:
         # One for one: the pools still start before the streams and stop after them, but a pool
         # that restarts leaves the streams running, so its in-flight requests migrate, never cut.
         return Supervisor(
-            model_children,
+            children,
             SupervisorFlags(Strategy.ONE_FOR_ONE, intensity=3, period=60),
             name=f"model:{cfg.model}",
         )
 
+    # Beside other models, one that keeps failing is left down instead of taking them with it.
+    several = len(serving.models) > 1
+    quarantine = _quarantine(cfg.quarantine_cooldown) if several else None
+    return ChildSpec(f"model:{cfg.model}", start, kind="supervisor", quarantine=quarantine)
+
+
+def build_tree(serving: Serving) -> list[ChildSpec]:
+    """The root's children: a subtree per model, then the frontend."""
     return [
-        ChildSpec(f"model:{cfg.model}", model, kind="supervisor"),
+        *(_model_tree(serving, model) for model in serving.models),
         ChildSpec("frontend", lambda: Frontend(serving), shutdown=10.0),
     ]

@@ -200,6 +200,8 @@ class EngineHost(Actor):
             handovers_open=bridge.handovers_open if bridge else 0,
             kv_write_seconds=bridge.write_seconds() if bridge else 0.0,
             transfer_pages=bridge.transfer_pages() if bridge else 0,
+            counters=_figures(native, "counters"),
+            histograms=_figures(native, "histograms"),
         )
 
     async def _perturb(self, action: str, factor: float) -> None:
@@ -296,3 +298,9 @@ class EngineHost(Actor):
             # Closing the engine's stream early aborts the request (engines abort synchronously
             # in aclose, so this completes even under cancellation).
             await outputs.aclose()
+
+
+def _figures(stats: object, kind: str) -> dict[str, Any]:
+    """A snapshot's own ``counters()`` or ``histograms()``, which only some engines keep."""
+    figures = getattr(stats, kind, None)
+    return dict(figures()) if callable(figures) else {}

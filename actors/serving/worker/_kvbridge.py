@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import struct
 import tempfile
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -175,9 +176,10 @@ class KVBridge:
 
     def _endpoint(self, kind: str) -> str:
         # In a worker process the temporary directory is the process's own (removed with it).
-        return (
-            f"ipc://{tempfile.gettempdir()}/actorserve-{kind}-{os.getpid()}-{self.worker_id}.sock"
-        )
+        # A worker id carries its model's name, which may hold a "/" and be long: a path needs
+        # neither (a socket path holds at most 107 bytes).
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.worker_id)[-32:]
+        return f"ipc://{tempfile.gettempdir()}/actorserve-{kind}-{os.getpid()}-{safe}.sock"
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()

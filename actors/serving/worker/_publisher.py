@@ -8,9 +8,14 @@ then subscribes to the new engine's endpoints.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import Any, Protocol
 
+import anyio
 from prometheus_client import Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from actors import Actor, ActorRef, current_registry
 from actors.serving.worker._subscribe import KvEventSubscriber, KvMetricsSubscriber
@@ -38,6 +43,56 @@ WAITING = Gauge(
 KV_EVENTS = Counter(
     "actorserve_worker_kv_event_batches", "KV event batches received.", _labels, registry=REGISTRY
 )
+
+
+#: What an engine's own figures (``EngineStats.counters`` / ``histograms``) mean, by name.
+FIGURES = {
+    "embedding_batches": "Forward passes of an embedding engine.",
+    "embedding_requests": "Inputs an embedding engine answered with a vector.",
+    "embedding_batch_size": "Inputs per forward pass of an embedding engine.",
+    "embedding_input_tokens": "Tokens per input of an embedding engine.",
+    "image_steps": "Denoising steps an image engine ran (a cancelled image stops early).",
+    "images": "Images an image engine finished.",
+    "images_cancelled": "Images cancelled before their last step.",
+}
+#: How often a worker whose engine keeps figures of its own is asked for them.
+FIGURES_INTERVAL_S = 2.0
+
+
+class _Figures(Collector):
+    """The engines' own figures, as each worker's publisher last read them."""
+
+    def __init__(self) -> None:
+        self.by_worker: dict[str, control.EngineStats] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        counters: dict[str, CounterMetricFamily] = {}
+        histograms: dict[str, HistogramMetricFamily] = {}
+        for worker, stats in sorted(self.by_worker.items()):
+            for name, value in stats.counters.items():
+                family = counters.get(name)
+                if family is None:
+                    family = counters[name] = CounterMetricFamily(
+                        f"actorserve_worker_{name}", FIGURES.get(name, name), labels=["worker"]
+                    )
+                family.add_metric([worker], value)
+            for name, h in stats.histograms.items():
+                hist = histograms.get(name)
+                if hist is None:
+                    hist = histograms[name] = HistogramMetricFamily(
+                        f"actorserve_worker_{name}", FIGURES.get(name, name), labels=["worker"]
+                    )
+                buckets, running = [], 0
+                for bound, n in zip((*h.bounds, math.inf), h.counts, strict=True):
+                    running += n
+                    buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), running))
+                hist.add_metric([worker], buckets, h.sum)
+        yield from counters.values()
+        yield from histograms.values()
+
+
+_FIGURES = _Figures()
+REGISTRY.register(_FIGURES)
 
 
 class WorkerSink(Protocol):
@@ -75,6 +130,20 @@ class Publisher(Actor):
             self.start_soon(
                 self._metrics, capacity.metrics_endpoint, name=f"{self.worker_id} metrics"
             )
+        stats: control.EngineStats = await engine.ask(control.GetStats())
+        if stats.counters or stats.histograms:
+            _FIGURES.by_worker[self.worker_id] = stats
+            self.start_soon(self._figures, engine, name=f"{self.worker_id} figures")
+
+    async def _figures(self, engine: ActorRef[Any]) -> None:
+        """Poll an engine that keeps figures of its own (it publishes no metrics socket)."""
+        while True:
+            await anyio.sleep(FIGURES_INTERVAL_S)
+            _FIGURES.by_worker[self.worker_id] = await engine.ask(control.GetStats())
+
+    async def stopping(self, reason: Any) -> None:
+        # Gone with its worker: a restarted engine counts from zero, under the same labels.
+        _FIGURES.by_worker.pop(self.worker_id, None)
 
     async def _events(self, rank: int, endpoint: str, replay: str | None) -> None:
         subscriber = KvEventSubscriber(endpoint, replay, start_seq=0)

@@ -96,6 +96,7 @@ class MockEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_id: int = 2
     eos_rate: float = 0.0  # probability that the model emits EOS at a position
     default_seed: int = 0  # seed of sampled requests that bring none
+    embedding_dim: int = 384  # kind "embedding": the vectors' length
     # Timing
     timing: TimingModel = msgspec.field(default_factory=TimingModel)
     instant_yield_s: float = 0.005  # instant mode: run steps this long between event-loop yields
@@ -124,6 +125,13 @@ class MockEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Fault injection (scenarios): a file holding a count; while it is > 0, ``start`` decrements
     # it and fails, so an engine crash-loops exactly that many times (across restarts).
     fail_start_file: str | None = None
+    # Block diffusion (kind "dllm", see ``_dllm``): text comes out in blocks of this many tokens,
+    # each after this many denoising rounds of one decode pass each.
+    dllm_block_tokens: int = 8
+    dllm_rounds: int = 4
+    # Fault injection (tests): a dllm request's first attempt (``generated == 0``) sends one
+    # output with neither tokens nor a finish after this many blocks (>= 1).
+    dllm_empty_chunk_after: int | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -135,6 +143,9 @@ class MockEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "context_length": self.context_length,
             "dp_size": self.dp_size,
             "vocab_size": self.vocab_size,
+            "embedding_dim": self.embedding_dim,
+            "dllm_block_tokens": self.dllm_block_tokens,
+            "dllm_rounds": self.dllm_rounds,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -145,6 +156,9 @@ class MockEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("eos_rate must be within [0, 1]")
         if not 0 <= self.eos_token_id < self.vocab_size or self.vocab_size < 2:
             raise ValueError("eos_token_id must lie in the vocabulary (of at least 2 tokens)")
+        if self.dllm_empty_chunk_after is not None and self.dllm_empty_chunk_after < 1:
+            # After 0 blocks, a continuation (which then carries no tokens) would get it again.
+            raise ValueError("dllm_empty_chunk_after must be >= 1")
         if self.weights_bytes < 0 or self.cuda_graph_bytes < 0:
             raise ValueError("memory sizes must be >= 0")
         for endpoint in (

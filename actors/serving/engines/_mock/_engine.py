@@ -23,6 +23,9 @@ from actors.serving.engines._mock._config import (
     MockEngineConfig,
     offset_endpoint,
 )
+from actors.serving.engines._mock._dllm import dllm_state
+from actors.serving.engines._mock._embed import EmbedStream, check_embed
+from actors.serving.engines._mock._image import ImageJobs, mock_image_canary
 from actors.serving.engines._mock._kvmem import (
     HostOrDeviceBuffer,
     KvPageMemory,
@@ -39,6 +42,7 @@ from actors.serving.errors import MockEngineBusy
 from protocols.engine import (
     BootstrapInfo,
     Capacity,
+    EmbedOptions,
     MemoryTag,
     PauseMode,
     PreprocessedRequest,
@@ -79,6 +83,7 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         self._weights: HostOrDeviceBuffer | None = None
         self._graphs: HostOrDeviceBuffer | None = None
         self._requests: dict[str, MockRequest] = {}
+        self._images = ImageJobs(cfg, self._image_ended)  # kind "image": beside the scheduler
         self._quiet_waiters: list[anyio.Event] = []
         self._released: set[MemoryTag] = set()
         self._capacity: Capacity | None = None
@@ -192,6 +197,7 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         slowed = msgspec.structs.replace(self.config, timing=timing)
         for sched in self._ranks:
             sched.cfg = slowed  # the scheduler reads its config's timing at every step
+        self._images.cfg = slowed  # so do image requests
 
     async def _spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         async def task(*, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -222,6 +228,7 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         try:
             with anyio.CancelScope(shield=True):
                 shutdown = EngineShutdown("the engine shut down")
+                self._images.shutdown(shutdown)
                 for sched in self._ranks:
                     sched.closed = True
                     for req in [*sched.waiting, *sched.running, *sched.owed.values()]:
@@ -248,16 +255,21 @@ class MockEngine(TransferMixin, IntrospectionMixin):
 
     def generate(self, request: PreprocessedRequest) -> EngineStream:
         """Submit ``request`` now (so ``abort(rid)`` reaches it at once) and stream its outputs."""
+        if self.config.kind == "image" or request.image is not None:
+            return self._images.generate(request, running=self._state == "running")
         try:
             req = self._admit(request)
         except RequestError as exc:
             return EngineStream(None, None, error=exc)
+        if request.embed is not None:
+            return EmbedStream(req, self._ranks[req.rank], dim=self.config.embedding_dim)
         return EngineStream(req, self._ranks[req.rank])
 
     def _admit(self, request: PreprocessedRequest) -> MockRequest:
         cfg = self.config
         if self._state != "running":
             raise EngineShutdown(f"the engine is {self._state}")
+        check_embed(request, cfg.kind, cfg.embedding_dim)
         n = len(request.token_ids)
         if n == 0:
             raise InvalidRequest("token_ids is empty")
@@ -269,6 +281,8 @@ class MockEngine(TransferMixin, IntrospectionMixin):
         rank = self._pick_rank(request)
         sc, so = request.stop_conditions, request.sampling_options
         max_new = cap - n if sc.max_tokens is None else min(max(sc.max_tokens, 0), cap - n)
+        if request.embed is not None:
+            max_new = 0  # an embedding is the prompt's forward pass alone
         stop = set(sc.stop_token_ids or ())
         if not sc.ignore_eos:
             stop.update(request.eos_token_ids or (cfg.eos_token_id,))
@@ -294,6 +308,7 @@ class MockEngine(TransferMixin, IntrospectionMixin):
             req.prompt_logprobs_due = False  # the prefill worker computed the prompt: its own
         if Steering.wanted(request):
             req.steer = self._steering(request, req.stop)
+        req.dllm = dllm_state(cfg, request)
         sched = self._ranks[rank]
         if bootstrap is not None:
             req.transfer_ready = anyio.Event()
@@ -338,6 +353,16 @@ class MockEngine(TransferMixin, IntrospectionMixin):
             for event in waiters:
                 event.set()
 
+    def _image_ended(self) -> None:
+        waiters, self._quiet_waiters = self._quiet_waiters, []
+        for event in waiters:
+            event.set()
+
+    @property
+    def images(self) -> ImageJobs:
+        """The image requests (``kind="image"``) and their statistics."""
+        return self._images
+
     def _find(self, rid: str) -> MockRequest | None:
         req = self._requests.get(rid)
         if req is None:
@@ -350,6 +375,8 @@ class MockEngine(TransferMixin, IntrospectionMixin):
     async def abort(self, rid: str) -> None:
         """Abort ``rid`` in any phase (queued, prefilling, decoding, awaiting or owing KV): its
         stream ends with ``cancelled`` and its blocks are freed before this returns."""
+        if self._images.abort(rid):
+            return
         req = self._find(rid)
         if req is not None:
             self._ranks[req.rank].end(req)
@@ -358,12 +385,14 @@ class MockEngine(TransferMixin, IntrospectionMixin):
 
     async def pause(self, mode: PauseMode) -> None:
         """SGLang's ``pause_generation``; returns once no step is in flight."""
+        self._images.pause(mode)
         for sched in self._ranks:
             sched.pause(mode)
         for sched in self._ranks:
             await sched.wait_step_boundary()
 
     async def continue_generation(self) -> None:
+        self._images.resume()
         for sched in self._ranks:
             sched.resume()
 
@@ -431,7 +460,7 @@ class MockEngine(TransferMixin, IntrospectionMixin):
 
     def is_quiescent(self) -> bool:
         """No request queued, running, awaiting KV or owing KV (on any rank)."""
-        return all(s.idle() for s in self._ranks)
+        return self._images.idle() and all(s.idle() for s in self._ranks)
 
     async def wait_quiescent(self) -> None:
         """Return once ``is_quiescent`` (a drain: owed KV transfers included)."""
@@ -443,6 +472,8 @@ class MockEngine(TransferMixin, IntrospectionMixin):
     def health_payload(self) -> PreprocessedRequest:
         """The role's canary: one token, ``max_tokens`` 1, greedy; prefill adds the fake host."""
         cfg = self.config
+        if cfg.kind == "image":
+            return mock_image_canary()
         prefill = cfg.role == "prefill"
         return PreprocessedRequest(
             rid=f"health-{uuid.uuid4().hex}",
@@ -454,6 +485,7 @@ class MockEngine(TransferMixin, IntrospectionMixin):
             if prefill
             else None,
             health_check=prefill,
+            embed=EmbedOptions() if cfg.kind == "embedding" else None,
         )
 
     @property

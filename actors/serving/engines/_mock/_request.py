@@ -2,7 +2,8 @@
 
 The scheduler appends generated tokens to ``seq`` and wakes the stream's waiter; the stream hands
 out ``seq[delivered:]`` as one :class:`EngineOutput`, so a consumer that falls behind receives
-several tokens at once (SGLang's incremental streaming) instead of one wake-up per token.
+several tokens at once (SGLang's incremental streaming) instead of one wake-up per token. A
+block-diffusion request (``dllm``) hands out whole blocks instead (``_dllm``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from protocols.errors import RequestError
 from ._tokens import TokenModel
 
 if TYPE_CHECKING:
+    from ._dllm import DllmState
     from ._steer import Steering
 
 __all__ = ["EngineStream", "ExpectedKV", "MockRequest", "Phase", "StreamHost"]
@@ -58,6 +60,7 @@ class MockRequest:
         "deadline",
         "delivered",
         "disagg_params",
+        "dllm",
         "error",
         "expected",
         "finish_reason",
@@ -114,6 +117,7 @@ class MockRequest:
         self.hashes: list[int] = []  # chained hashes of the full pages of ``seq`` computed so far
         self.slot = -1
         self.steer: Steering | None = None  # a grammar, logit_bias or penalties choose tokens
+        self.dllm: DllmState | None = None  # a block-diffusion model's: tokens go out in blocks
         self.cached_tokens = 0
         self.was_admitted = False
         self.delivered = len(self.seq)  # seq[:delivered] is prompt or handed to the stream
@@ -200,7 +204,10 @@ class EngineStream:
             assert self._error is not None
             raise self._error
         host.sync(req)
-        while (req.delivered >= len(req.seq) or req.holding) and not req.done:
+        dllm = req.dllm
+        if dllm is not None and dllm.empty_now(req.delivered - req.prompt_len):
+            return EngineOutput()  # fault injection: a block that never came (see _dllm)
+        while (not _due(req) or req.holding) and not req.done:
             if req.offer is not None:
                 break
             await host.park(req).wait()
@@ -215,7 +222,7 @@ class EngineStream:
                 )
             self._closed = True
             raise req.error
-        if req.finish_reason is None:
+        if req.finish_reason is None or _due(req):
             out = EngineOutput(token_ids=tokens, logprobs=logprobs)
             return _with_prompt_logprobs(req, out, host.tokens)
         self._closed = True
@@ -241,11 +248,18 @@ class EngineStream:
             host.end_later(req)
 
 
+def _due(req: MockRequest) -> int:
+    """How many of the tokens ``req``'s reader has not had yet go out now: all of them, or a
+    block-diffusion request's next block (``_dllm``)."""
+    pending = len(req.seq) - req.delivered
+    return pending if req.dllm is None else req.dllm.due(pending, req.finish_reason)
+
+
 def _deliver(req: MockRequest, model: TokenModel) -> tuple[list[int], list[TokenLogprob] | None]:
-    """The tokens ``req``'s reader has not had yet, now delivered, and their logprobs if it
-    asked for them."""
+    """The tokens ``req``'s reader has not had yet (that go out now), now delivered, and their
+    logprobs if it asked for them."""
     start = req.delivered
-    tokens = req.seq[start:]
+    tokens = req.seq[start : start + _due(req)]
     req.delivered += len(tokens)
     top = req.request.logprobs
     return tokens, None if top is None else model.logprobs(tokens, start, top)

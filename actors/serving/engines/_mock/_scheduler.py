@@ -22,6 +22,7 @@ import numpy as np
 
 from actors.serving.engines._mock._batch import DecodeBatch
 from actors.serving.engines._mock._config import MockEngineConfig
+from actors.serving.engines._mock._dllm import step_seconds
 from actors.serving.engines._mock._kvmem import KvPageMemory
 from actors.serving.engines._mock._loop import LoopMixin, Step, StepRecord
 from actors.serving.engines._mock._pages import expected_kv, fill_pages, hashes_upto, write_partials
@@ -392,7 +393,7 @@ class RankScheduler(LoopMixin):
         # one's solo decode steps cost as much as a batch of 16).
         waiting_kv = sum(len(r.blocks) for r in self.running if r.phase is Phase.AWAITING_KV)
         frac = (self.pool.used - waiting_kv) / cfg.num_blocks
-        seconds = cfg.timing.step_seconds(prefill, bool(decode), frac)
+        seconds = step_seconds(cfg, prefill, bool(decode), frac)
         if not chunks and self._gather(decode):
             return None
         return chunks, self.batch.hi if decode else 0, seconds, prefill, decode, frac

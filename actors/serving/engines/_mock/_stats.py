@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from actors.serving.engines._mock._image import ImageJobs
 from actors.serving.engines._mock._kvmem import KvMemoryInfo, KvPageMemory
 from actors.serving.engines._mock._loop import StepRecord
 from actors.serving.engines._mock._pool import BlockPoolStatistics
@@ -97,6 +98,7 @@ class IntrospectionMixin:
     _memories: list[KvPageMemory]
     _requests: dict[str, MockRequest]
     _released: set[MemoryTag]
+    _images: ImageJobs
 
     def _find(self, rid: str) -> MockRequest | None:
         raise NotImplementedError
@@ -104,7 +106,7 @@ class IntrospectionMixin:
     def statistics(self) -> MockEngineStatistics:
         return MockEngineStatistics(
             ranks=tuple(RankStatistics.of(s) for s in self._ranks),
-            in_flight=len(self._requests),
+            in_flight=len(self._requests) + self._images.statistics().in_flight,
             released_tags=tuple(sorted(t.value for t in self._released)),
         )
 

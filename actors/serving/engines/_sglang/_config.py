@@ -47,6 +47,8 @@ class SGLangAPI:
     ContinueGenerationReqInput: Callable[..., Any]
     ReleaseMemoryOccupationReqInput: Callable[..., Any]
     ResumeMemoryOccupationReqInput: Callable[..., Any]
+    # An embedding model's request (token ids in, one vector out).
+    EmbeddingReqInput: Callable[..., Any]
     # SGLang <= 0.5.17 fails a request aborted before its dispatch with it; None where absent.
     RequestAbortedError: type[Exception] | None
     FAKE_BOOTSTRAP_HOST: str
@@ -66,6 +68,7 @@ def load_sglang_api() -> SGLangAPI:
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
     from sglang.srt.managers.io_struct import (
         ContinueGenerationReqInput,
+        EmbeddingReqInput,
         PauseGenerationReqInput,
         ReleaseMemoryOccupationReqInput,
         ResumeMemoryOccupationReqInput,
@@ -82,6 +85,7 @@ def load_sglang_api() -> SGLangAPI:
         ContinueGenerationReqInput=ContinueGenerationReqInput,
         ReleaseMemoryOccupationReqInput=ReleaseMemoryOccupationReqInput,
         ResumeMemoryOccupationReqInput=ResumeMemoryOccupationReqInput,
+        EmbeddingReqInput=EmbeddingReqInput,
         RequestAbortedError=getattr(tokenizer_manager, "RequestAbortedError", None),
         FAKE_BOOTSTRAP_HOST=str(FAKE_BOOTSTRAP_HOST),
         server_arg_names=names,

@@ -15,6 +15,10 @@ SGLang: ``async_generate``'s parameters, ``KVEventsConfig``'s fields, the classe
   ``loop.run_until_complete`` on the engine's loop, which cannot work while that loop runs this
   backend, and from a worker thread it would drive the tokenizer manager's futures from a second
   loop. Only ``Engine.shutdown`` (plain blocking code) runs in a worker thread.
+- An embedding model (``kind="embedding"``, SGLang's ``is_embedding``): an ``embed`` request goes to
+  ``tokenizer_manager.generate_request(EmbeddingReqInput(input_ids=..., rid=...))`` as Dynamo sends
+  it (``Engine.async_encode`` takes text only), and its one answer's ``embedding`` becomes the
+  output's little-endian float32 vector.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, get_args
 
 import anyio
 import msgspec
+import numpy as np
 import sniffio
 
 from actors.lowlevel import LOOPBACK, free_port
@@ -52,21 +57,31 @@ from actors.serving.engines._sglang._launch import (
     warm_up,
 )
 from actors.serving.engines._sglang._signals import DeferredSignalHandlers
-from actors.serving.engines._sglang._stream import RequestStream, StreamConfig
+from actors.serving.engines._sglang._stream import RequestStream, StreamConfig, dispatched
 from actors.serving.errors import SGLangRequiresAsyncio
 from protocols.engine import (
     BootstrapInfo,
     Capacity,
+    EmbedOptions,
     Engine,
     EngineOutput,
     MemoryTag,
+    ModelKind,
     PauseMode,
     PreprocessedRequest,
     RoutingHints,
     SamplingOptions,
     StopConditions,
+    Usage,
 )
-from protocols.errors import EngineFailure, EngineShutdown, InvalidRequest, WorkerDraining
+from protocols.errors import (
+    EngineFailure,
+    EngineShutdown,
+    InvalidRequest,
+    RequestError,
+    StreamIncomplete,
+    WorkerDraining,
+)
 
 __all__ = ["SGLangEngine", "SGLangEngineStatistics", "SGLangRequiresAsyncio"]
 
@@ -113,6 +128,8 @@ class SGLangEngine:
     ``decode``; prefill and decode use SGLang's own PD disaggregation over NIXL (actorserve's own
     KV transfer is not used). ``memory_release`` turns on SGLang's memory saver (required for
     ``release_memory``); ``kv_events`` creates a loopback KV-events config when none was given.
+    ``kind`` is what the model serves (``protocols.engine.ModelKind``): ``embedding`` sets SGLang's
+    ``is_embedding`` and takes ``embed`` requests only (aggregated role only).
     ``api`` is the injection seam (default: import SGLang in ``start``).
     """
 
@@ -121,6 +138,7 @@ class SGLangEngine:
         server_args: Mapping[str, Any],
         *,
         role: Role = "aggregated",
+        kind: str = "chat",
         bootstrap_host: str = LOOPBACK,
         memory_release: bool = False,
         kv_events: bool = False,
@@ -131,7 +149,17 @@ class SGLangEngine:
         api: SGLangAPI | Callable[[], SGLangAPI] | None = None,
     ) -> None:
         check_role_args(server_args, role)
+        if kind not in get_args(ModelKind):
+            raise ValueError(f"kind must be one of {get_args(ModelKind)}, not {kind!r}")
         self._args = dict(server_args)
+        self.kind = kind
+        if kind == "embedding":
+            if role != "aggregated":
+                raise ValueError(f"an embedding model serves aggregated only, not as {role!r}")
+            if self._args.get("is_embedding") is False:
+                raise ValueError("is_embedding=False contradicts kind 'embedding'")
+            self._args["is_embedding"] = True
+        self._embed_dim: int | None = None  # an embedding model's vector length, once seen
         self.role: Role = role
         self._bootstrap_host = bootstrap_host
         port = self._args.get("disaggregation_bootstrap_port")
@@ -153,7 +181,7 @@ class SGLangEngine:
         self._info: dict[str, Any] = {}
         self._signals: DeferredSignalHandlers | None = None
         self._shutdown_signal: int | None = None
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream | EmbedStream] = {}
         self._early_aborts: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._finished_rids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._idle: anyio.Event | None = None
@@ -219,6 +247,7 @@ class SGLangEngine:
             aborted_errors=(
                 (api.RequestAbortedError,) if api.RequestAbortedError is not None else ()
             ),
+            forward_empty=self.kind == "dllm" or bool(self._args.get("dllm_algorithm")),
         )
         dp = int(self._info.get("num_dp_ranks") or requested_dp_size(self._info))
         metrics = str(getattr(engine.port_args, "metrics_ipc_name", "") or "")
@@ -239,9 +268,27 @@ class SGLangEngine:
             ),
             prefills_alone=self.role != "decode",
         )
-        if self._warmup_enabled:
+        if self._warmup_enabled and self.kind == "embedding":
+            await self._warm_up_embedding()
+        elif self._warmup_enabled:
             await warm_up(engine, api, self.role, self._bootstrap_port, self._warmup_timeout)
         return self._capacity
+
+    async def _warm_up_embedding(self) -> None:
+        """One short embed before the worker is routable (an embedding model cannot generate:
+        ``warm_up``'s generate would fail); it also learns the vector's length."""
+        warm = PreprocessedRequest(
+            rid=f"warmup-{uuid.uuid4().hex}", token_ids=[10, 11, 12, 13], embed=EmbedOptions()
+        )
+        try:
+            with anyio.fail_after(self._warmup_timeout):
+                async with aclosing(self._embed_stream(warm).run()) as outputs:
+                    async for _ in outputs:
+                        pass
+        except TimeoutError as exc:
+            raise EngineFailure(f"warm-up timed out after {self._warmup_timeout} s") from exc
+        except RequestError as exc:
+            raise EngineFailure(f"warm-up failed: {exc}") from exc
 
     def _built(self, engine: Any) -> None:
         self._engine = engine
@@ -300,7 +347,13 @@ class SGLangEngine:
         if request.rid in self._streams:
             raise InvalidRequest(f"request id {request.rid!r} is already running")
         assert self._stream_config is not None
-        stream = RequestStream(self, engine, self._tm, request, self._stream_config)
+        stream: RequestStream | EmbedStream
+        if self.kind == "embedding":
+            stream = self._embed_stream(request)
+        elif request.embed is not None:
+            raise InvalidRequest(f"this engine serves {self.kind} models, not embeddings")
+        else:
+            stream = RequestStream(self, engine, self._tm, request, self._stream_config)
         self._streams[request.rid] = stream
         try:
             noted = self._early_aborts.pop(request.rid, None)
@@ -319,6 +372,29 @@ class SGLangEngine:
             if not self._streams and self._idle is not None:
                 self._idle.set()
                 self._idle = None
+
+    def _embed_stream(self, request: PreprocessedRequest) -> EmbedStream:
+        """An embed request's stream (``InvalidRequest`` for one this model cannot serve)."""
+        embed = request.embed
+        if embed is None:
+            raise InvalidRequest(
+                "this engine serves embedding models: the request needs 'embed' options"
+            )
+        dims = embed.dimensions
+        if dims is not None and dims < 1:
+            raise InvalidRequest(f"dimensions must be >= 1, got {dims}")
+        if dims is not None and self._embed_dim is not None and dims != self._embed_dim:
+            raise _wrong_dimensions(dims, self._embed_dim)
+        if not request.token_ids:
+            raise InvalidRequest("token_ids is empty")
+        api = self._api
+        assert api is not None and self._stream_config is not None
+        obj = api.EmbeddingReqInput(input_ids=list(request.token_ids), rid=request.rid)
+        return EmbedStream(self, self._tm, request, obj, self._stream_config.aborted_errors)
+
+    def learned_dimensions(self, dim: int) -> None:
+        """The model's vector length, from an answer (later requests are checked upfront)."""
+        self._embed_dim = dim
 
     async def abort(self, rid: str) -> None:
         """Abort ``rid`` in any phase. Before its ``generate`` began, it will end at once."""
@@ -436,6 +512,13 @@ class SGLangEngine:
             bootstrap = BootstrapInfo(
                 host=api.FAKE_BOOTSTRAP_HOST, port=self._bootstrap_port, room=0
             )
+        if self.kind == "embedding":
+            return PreprocessedRequest(
+                rid=f"health-{uuid.uuid4().hex}",
+                token_ids=[self._bos if self._bos is not None else 1],
+                embed=EmbedOptions(),
+                health_check=True,
+            )
         return PreprocessedRequest(
             rid=f"health-{uuid.uuid4().hex}",
             token_ids=[self._bos if self._bos is not None else 1],
@@ -458,6 +541,162 @@ class SGLangEngine:
             released=frozenset(self._released),
             deferred_signals=self._signals.captured() if self._signals is not None else {},
         )
+
+
+def _wrong_dimensions(dims: int, native: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"dimensions={dims} is not supported: this model's embeddings have {native} "
+        "dimensions and cannot be shortened"
+    )
+
+
+class EmbedStream:
+    """One embed request through SGLang's tokenizer manager: one answer, then the end.
+
+    An abort (or shutdown) aborts the request in SGLang when it was dispatched and stops waiting
+    for the answer at once; closing SGLang's generator makes it drop an undispatched one locally.
+    """
+
+    def __init__(
+        self,
+        owner: SGLangEngine,
+        tm: Any,
+        request: PreprocessedRequest,
+        obj: Any,
+        aborted_errors: tuple[type[Exception], ...],
+    ) -> None:
+        self.rid = request.rid
+        self.client_aborted = False
+        self._owner, self._tm, self._request = owner, tm, request
+        self._obj = obj  # SGLang's EmbeddingReqInput
+        self._aborted_errors = aborted_errors
+        self._prompt = len(request.token_ids)
+        self._scope: anyio.CancelScope | None = None
+        self._stopped = False  # abort or shutdown: stop waiting for the answer
+        self._shutdown = False
+        self._finished = False
+
+    def cancelled_output(self) -> EngineOutput:
+        """The terminal output of a client-cancelled request."""
+        usage = Usage(prompt_tokens=self._prompt, completion_tokens=0)
+        return EngineOutput(finish_reason="cancelled", usage=usage)
+
+    async def run(self) -> AsyncGenerator[EngineOutput, None]:
+        """The one output: the vector, or ``cancelled``; typed errors otherwise."""
+        gen: Any = None
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                if self._stopped:
+                    scope.cancel()
+                gen = self._tm.generate_request(self._obj, None)
+                answer = await self._answer(gen)
+            self._scope = None
+            if scope.cancelled_caught or answer is None:
+                yield self._stopped_output()
+                return
+            self._finished = True
+            yield self._output(answer)
+        finally:
+            await self._close(gen)
+
+    async def _answer(self, gen: Any) -> Any:
+        """SGLang's one answer; ``None`` when an abort or a shutdown stopped it."""
+        try:
+            return await gen.__anext__()
+        except StopAsyncIteration as exc:
+            if self._stopped:
+                return None
+            raise StreamIncomplete("SGLang's embedding stream ended without an answer") from exc
+        except RequestError:
+            raise
+        except self._aborted_errors:
+            return None if self.client_aborted else self._raise_worker_abort("aborted")
+        except ValueError as exc:  # SGLang's validation (too long, not an embedding model, ...)
+            if self._stopped or self._owner.paused is not None:
+                return None if self.client_aborted else self._raise_worker_abort(str(exc))
+            raise InvalidRequest(str(exc)) from exc
+        except Exception as exc:
+            raise EngineFailure(f"SGLang's embedding request failed: {exc!r}") from exc
+
+    def _output(self, answer: Mapping[str, Any]) -> EngineOutput:
+        meta = answer.get("meta_info") or {}
+        reason = meta.get("finish_reason")
+        raw = reason.get("type") if isinstance(reason, Mapping) else reason
+        if isinstance(raw, str) and raw.startswith("abort"):
+            if self.client_aborted:
+                return self.cancelled_output()
+            message = str(reason.get("message") or "") if isinstance(reason, Mapping) else ""
+            self._raise_worker_abort(message, reason)
+        embedding = answer.get("embedding")
+        if embedding is None:
+            raise EngineFailure("SGLang's answer has no embedding")
+        vector = np.asarray(embedding, dtype="<f4").reshape(-1)
+        self._owner.learned_dimensions(len(vector))
+        embed = self._request.embed
+        dims = embed.dimensions if embed is not None else None
+        if dims is not None and dims != len(vector):
+            raise _wrong_dimensions(dims, len(vector))
+        usage = Usage(
+            prompt_tokens=int(meta.get("prompt_tokens", self._prompt)), completion_tokens=0
+        )
+        return EngineOutput(embedding=vector.tobytes(), finish_reason="stop", usage=usage)
+
+    def _stopped_output(self) -> EngineOutput:
+        if self.client_aborted:
+            self._finished = True
+            return self.cancelled_output()
+        if self._shutdown or self._owner.closing:
+            raise EngineShutdown("the SGLang engine shut down while the request ran")
+        raise EngineFailure("the SGLang embedding request was stopped")
+
+    def _raise_worker_abort(self, message: str, reason: Any = None) -> NoReturn:
+        """Raise the error of an abort the client did not ask for (never "cancelled")."""
+        self._finished = True
+        status = reason.get("status_code") if isinstance(reason, Mapping) else None
+        if self._shutdown or self._owner.closing:
+            raise EngineShutdown("the SGLang engine shut down while the request ran")
+        if self._owner.paused is not None:
+            raise WorkerDraining("generation paused: SGLang aborted the request")
+        if isinstance(status, int) and 400 <= status < 500:
+            raise InvalidRequest(message or f"SGLang rejected the request ({status})")
+        raise EngineFailure(message or "SGLang aborted the request")
+
+    def _abort_in_sglang(self) -> None:
+        """Abort the request in SGLang's scheduler if it reached it."""
+        state = self._tm.rid_to_state.get(self.rid)
+        if state is not None and dispatched(state) is not False:
+            self._tm.abort_request(rid=self.rid)
+
+    def _stop(self) -> None:
+        self._stopped = True
+        self._abort_in_sglang()
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def abort(self) -> None:
+        """The client's abort: the stream ends ``cancelled`` at once."""
+        self.client_aborted = True
+        if not self._finished:
+            self._stop()
+
+    def shutdown(self) -> None:
+        """The engine shuts down: the stream ends in ``EngineShutdown``."""
+        self._shutdown = True
+        if not self._finished:
+            self._stop()
+
+    async def _close(self, gen: Any) -> None:
+        """Leave nothing behind in SGLang: abort an unanswered request, close the generator."""
+        with anyio.CancelScope(shield=True):
+            if not self._finished and not self._stopped:
+                self._abort_in_sglang()
+            aclose = getattr(gen, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # already failed; its error was reported by the stream
+                    pass
 
 
 if TYPE_CHECKING:

@@ -45,6 +45,7 @@ from actors.serving.engines._sglang._source import (
     fields_from_sources,
     find_method,
     function_params,
+    is_classmethod,
     is_generator,
     locate,
     param,
@@ -87,6 +88,9 @@ def record_paths(records_dir: Path | None = None) -> list[Path]:
 _ENGINE = ("sglang.srt.entrypoints.engine",)
 _TM = ("sglang.srt.managers.tokenizer_manager",)
 _IO = ("sglang.srt.managers.io_struct",)
+# SGLang's diffusion generator (``SGLangImageEngine``): not the ``sglang.multimodal_gen`` package's
+# own export, a LazyImport in 0.5.23.
+_DIFF = ("sglang.multimodal_gen.runtime.entrypoints.diffusion_generator",)
 
 # Callables the backend calls (and the synchronous Engine methods it deliberately does not call:
 # they are recorded so a reader can see why; see _sglang.py).
@@ -112,6 +116,12 @@ CALLABLES: dict[str, Target] = {
     "TokenizerManager.auto_create_handle_loop": Target(
         _TM, "TokenizerManager", "auto_create_handle_loop"
     ),
+    # An embedding model's requests (Engine.async_encode takes text only, not token ids).
+    "TokenizerManager.generate_request": Target(_TM, "TokenizerManager", "generate_request"),
+    # Image models (a classmethod, then the blocking calls the image engine's lane makes).
+    "DiffGenerator.from_pretrained": Target(_DIFF, "DiffGenerator", "from_pretrained"),
+    "DiffGenerator.generate": Target(_DIFF, "DiffGenerator", "generate"),
+    "DiffGenerator.shutdown": Target(_DIFF, "DiffGenerator", "shutdown"),
 }
 
 # Classes recorded as their constructor's keyword parameters (their fields).
@@ -120,6 +130,7 @@ CLASSES: dict[str, Target] = {
     "ContinueGenerationReqInput": Target(_IO, "ContinueGenerationReqInput"),
     "ReleaseMemoryOccupationReqInput": Target(_IO, "ReleaseMemoryOccupationReqInput"),
     "ResumeMemoryOccupationReqInput": Target(_IO, "ResumeMemoryOccupationReqInput"),
+    "EmbeddingReqInput": Target(_IO, "EmbeddingReqInput"),
     "FlushCacheReqOutput": Target(_IO, "FlushCacheReqOutput"),
     "SamplingParams": Target(("sglang.srt.sampling.sampling_params",), "SamplingParams"),
     "KvMetrics": Target(
@@ -137,6 +148,14 @@ CLASSES: dict[str, Target] = {
     "PortArgs": Target(("sglang.srt.server_args",), "PortArgs"),
     "SchedulerInitResult": Target(_ENGINE, "SchedulerInitResult"),
     "ReqState": Target(_TM, "ReqState"),
+    # The diffusion generator's own sampling params and server args (not the LLM engine's).
+    "DiffusionSamplingParams": Target(
+        ("sglang.multimodal_gen.configs.sample.sampling_params",), "SamplingParams"
+    ),
+    "DiffusionServerArgs": Target(("sglang.multimodal_gen.runtime.server_args",), "ServerArgs"),
+    "GenerationResult": Target(
+        ("sglang.multimodal_gen.runtime.entrypoints.utils",), "GenerationResult"
+    ),
 }
 
 CONSTANTS: dict[str, Target] = {
@@ -200,7 +219,9 @@ def build_from_installed() -> dict[str, Any]:
     callables: dict[str, Any] = {}
     for key, t in CALLABLES.items():
         _, module = _import_first(t.modules, t.cls)
-        fn = getattr(getattr(module, t.cls), str(t.member))
+        # getattr_static: a classmethod's own function (getattr would bind away ``cls``).
+        raw = inspect.getattr_static(getattr(module, t.cls), str(t.member))
+        fn = raw.__func__ if isinstance(raw, classmethod | staticmethod) else raw
         entry: dict[str, Any] = {
             "module": fn.__module__,  # where it is defined (a mixin's module, say), as ast finds
             "async": inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn),
@@ -208,6 +229,8 @@ def build_from_installed() -> dict[str, Any]:
         }
         if inspect.isasyncgenfunction(fn):
             entry["async_generator"] = True
+        if isinstance(raw, classmethod):
+            entry["classmethod"] = True
         callables[key] = entry
     classes: dict[str, Any] = {}
     for key, t in CLASSES.items():
@@ -275,6 +298,8 @@ def build_from_source(
         entry: dict[str, Any] = {"module": mod, "async": is_async, "params": function_params(fn)}
         if is_async and isinstance(fn, ast.AsyncFunctionDef) and is_generator(fn):
             entry["async_generator"] = True
+        if is_classmethod(fn):
+            entry["classmethod"] = True
         callables[key] = entry
     classes: dict[str, Any] = {}
     for key, t in CLASSES.items():

@@ -25,6 +25,7 @@ __all__ = [
     "fields_from_sources",
     "find_method",
     "function_params",
+    "is_classmethod",
     "is_generator",
     "locate",
     "param",
@@ -226,7 +227,31 @@ def class_fields(tree: SourceTree, module: str, cls: ast.ClassDef) -> list[dict[
     chain = list(tree.mro(module, cls))
     # Bases first; a redefinition keeps the base's position (as dataclasses and msgspec do).
     fields = {name: value for _, node in reversed(chain) for name, value in _own_fields(node)}
-    return [param(name, kind, *_literal(value)) for name, value in fields.items()]
+    # A dataclass field(init=False) is no constructor parameter.
+    fields = {
+        name: value for name, value in fields.items() if _field_flag(value, "init") is not False
+    }
+    out = [param(name, kind, *_literal(value)) for name, value in fields.items()]
+    # A dataclass field(kw_only=True) is keyword-only and goes after the others in __init__.
+    alone = {name for name, value in fields.items() if _field_flag(value, "kw_only") is True}
+    for entry in out:
+        if entry["name"] in alone:
+            entry["kind"] = "KEYWORD_ONLY"
+    return [e for e in out if e["name"] not in alone] + [e for e in out if e["name"] in alone]
+
+
+def _field_flag(node: ast.expr | None, flag: str) -> bool | None:
+    """A ``field(..., <flag>=True|False)`` default's flag; None where it is not spelled."""
+    if isinstance(node, ast.Call) and _call_name(node) == "field":
+        for kw in node.keywords:
+            if kw.arg == flag and isinstance(kw.value, ast.Constant):
+                return bool(kw.value.value)
+    return None
+
+
+def is_classmethod(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether ``fn`` is decorated ``@classmethod``."""
+    return any(isinstance(d, ast.Name) and d.id == "classmethod" for d in fn.decorator_list)
 
 
 def fields_from_sources(tree: SourceTree, module: str, var: str) -> list[dict[str, Any]] | None:

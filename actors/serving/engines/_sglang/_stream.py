@@ -67,6 +67,9 @@ class StreamConfig:
     # What this SGLang raises for a request an abort flagged before its dispatch (SGLang <= 0.5.17
     # has RequestAbortedError, a ValueError; newer versions have none).
     aborted_errors: tuple[type[Exception], ...] = ()
+    # A block-diffusion model (``dllm_algorithm``) sends every chunk it makes: one without tokens
+    # is a fault the request stream migrates, not a step to skip.
+    forward_empty: bool = False
 
 
 class _Owner(Protocol):
@@ -256,7 +259,7 @@ class RequestStream:
                 logprobs = _logprobs(meta, len(ids), top) if top is not None else None
                 prompt_lp = self._take_prompt_logprobs(meta) if ids or raw is not None else None
                 if raw is None:
-                    if ids:
+                    if ids or (self._config.forward_empty and self._config.role != "prefill"):
                         yield EngineOutput(
                             token_ids=ids, logprobs=logprobs, prompt_logprobs=prompt_lp
                         )
