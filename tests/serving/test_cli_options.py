@@ -99,3 +99,39 @@ def test_a_bad_log_format_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     result = CliRunner().invoke(cli.app, ["run", "--backend", "mock", "--log-format", "xml"])
     assert result.exit_code == 2
     assert "xml" in result.output
+
+
+def test_kinds_and_more_models_from_the_flags_and_the_file(
+    started: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served: list[ServeConfig] = []
+    real = actors.serving.root.Serving
+
+    def serving(config: ServeConfig) -> Any:
+        served.append(config)
+        return real(config)
+
+    monkeypatch.setattr(actors.serving.root, "Serving", serving)
+    _run("--kind", "image", "--with-embeddings")
+    assert [(m.model, m.kind, m.mode) for m in served[-1].served()] == [
+        ("mock-image", "image", "aggregated"),
+        ("mock-embedding", "embedding", "aggregated"),
+    ]
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        "[[models]]\nmodel = 'painter'\nkind = 'image'\nbackend = 'mock'\ndecode_workers = 3\n"
+    )
+    _run("--config", str(path), "--with-embeddings")
+    assert [(m.model, m.kind, m.decode_workers) for m in served[-1].served()] == [
+        ("mock", "chat", 2),
+        ("painter", "image", 3),
+        ("mock-embedding", "embedding", 1),
+    ]
+    twice = CliRunner().invoke(
+        cli.app, ["run", "--backend", "mock", "--kind", "embedding", "--with-embeddings"]
+    )
+    assert twice.exit_code == 2
+    assert "models served twice: mock-embedding" in twice.output
+    unserved = CliRunner().invoke(cli.app, ["run", "--backend", "hf", "--kind", "dllm"])
+    assert unserved.exit_code == 2
+    assert "serves chat, embedding, image models, not dllm" in unserved.output

@@ -80,6 +80,9 @@ class ModelConfig:
     reasoning_parser: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.kind not in engine_backend(self.backend).kinds:
+            kinds = ", ".join(engine_backend(self.backend).kinds)
+            raise ValueError(f"the {self.backend} backend serves {kinds} models, not {self.kind}")
         if self.kind in ("embedding", "image") and self.mode != "aggregated":
             # Nothing to hand over between a prefill and a decode step: one forward answers.
             object.__setattr__(self, "mode", "aggregated")
@@ -94,9 +97,6 @@ class ModelConfig:
             raise ValueError("migration_limit must be >= 0")
         if self.quarantine_cooldown < 0:
             raise ValueError("quarantine_cooldown must be >= 0")
-        if self.kind not in engine_backend(self.backend).kinds:
-            kinds = ", ".join(engine_backend(self.backend).kinds)
-            raise ValueError(f"the {self.backend} backend serves {kinds} models, not {self.kind}")
         check_parser_names(self.tool_call_parser, self.reasoning_parser)
 
     def default_model(self) -> str:
