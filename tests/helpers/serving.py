@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import attrs
+import openai
 
 from actors import ActorRef, current_registry
 from actors.serving import ServeConfig, Serving
@@ -19,6 +20,8 @@ from actors.serving.root._root import RootOptions, serving_children
 from actors.serving.worker import engine_name
 from protocols import control
 from supervisors import SupervisorFlags, SupervisorRef, open_supervisor
+
+T = TypeVar("T")
 
 FAST_ENGINE: dict[str, Any] = {
     "timing": {"speedup": 20.0},
@@ -60,6 +63,19 @@ class Tree:
                 await self.serving.wait_routable()
             else:
                 await self.serving.model().table.wait_routable(workers)
+
+
+async def with_openai(tree: Tree, fn: Callable[[openai.OpenAI], T]) -> T:
+    """``fn`` with a (blocking) `openai` client on ``tree``'s API, in a worker thread."""
+
+    def run() -> T:
+        client = openai.OpenAI(base_url=f"{tree.url}/v1", api_key="unused", max_retries=0)
+        try:
+            return fn(client)
+        finally:
+            client.close()
+
+    return await anyio.to_thread.run_sync(run)
 
 
 @asynccontextmanager

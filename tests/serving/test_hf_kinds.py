@@ -7,8 +7,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import httpx
@@ -20,9 +20,7 @@ from PIL import Image
 from actors.serving import ModelConfig
 from actors.serving.engines import find_minilm
 from actors.testing import wait_until
-from tests.helpers.serving import Tree, serving_tree
-
-T = TypeVar("T")
+from tests.helpers.serving import Tree, serving_tree, with_openai
 
 EMBEDDER = "all-minilm-l6-v2"
 PAINTER = "tiny-diffusion"
@@ -47,17 +45,6 @@ async def tree() -> AsyncIterator[Tree]:
         yield tree
 
 
-async def _call(tree: Tree, fn: Callable[[openai.OpenAI], T]) -> T:
-    def run() -> T:
-        client = openai.OpenAI(base_url=f"{tree.url}/v1", api_key="unused", max_retries=0)
-        try:
-            return fn(client)
-        finally:
-            client.close()
-
-    return await anyio.to_thread.run_sync(run)
-
-
 def _cosines(a: Any, b: Any) -> Any:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
@@ -76,7 +63,7 @@ async def test_embeddings_equal_sentence_transformers_own(tree: Tree, reference:
             client.embeddings.create(model=EMBEDDER, input=ids[1]),
         ]
 
-    single, batch, packed, tokens, one_ids = await _call(tree, embed)
+    single, batch, packed, tokens, one_ids = await with_openai(tree, embed)
     assert _cosines(single.data[0].embedding, expected[0]) >= 0.9999
     for response in (batch, packed, tokens):
         vectors = [d.embedding for d in response.data]
@@ -112,7 +99,7 @@ async def test_images_are_pngs_of_their_size_and_seed(tree: Tree) -> None:
         again = client.images.generate(model=PAINTER, prompt="a lighthouse", extra_body=options)
         return twice, again
 
-    twice, again = await _call(tree, paint)
+    twice, again = await with_openai(tree, paint)
     first = base64.b64decode(twice.data[0].b64_json)
     image = Image.open(io.BytesIO(first))
     assert image.format == "PNG" and image.size == (64, 32)

@@ -8,9 +8,8 @@ import base64
 import io
 import os
 import signal
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import httpx
@@ -21,24 +20,11 @@ from PIL import Image
 
 from actors.serving import ModelConfig
 from actors.testing import wait_until
-from tests.helpers.serving import FAST_ENGINE, Tree, serving_tree
-
-T = TypeVar("T")
+from tests.helpers.serving import FAST_ENGINE, serving_tree, with_openai
 
 EMBED = ModelConfig(kind="embedding", backend="mock", decode_workers=1, engine_args=FAST_ENGINE)
 IMAGE = ModelConfig(kind="image", backend="mock", decode_workers=1, engine_args=FAST_ENGINE)
 ALL_KINDS: dict[str, Any] = {"mode": "aggregated", "decode_workers": 1, "models": [EMBED, IMAGE]}
-
-
-async def _call(tree: Tree, fn: Callable[[openai.OpenAI], T]) -> T:
-    def run() -> T:
-        client = openai.OpenAI(base_url=f"{tree.url}/v1", api_key="unused", max_retries=0)
-        try:
-            return fn(client)
-        finally:
-            client.close()
-
-    return await anyio.to_thread.run_sync(run)
 
 
 async def test_models_lists_every_model_and_each_path_takes_its_kind() -> None:
@@ -48,7 +34,7 @@ async def test_models_lists_every_model_and_each_path_takes_its_kind() -> None:
             "mock-image/decode-0",
             "mock/decode-0",
         ]
-        listed = await _call(tree, lambda c: [m.id for m in c.models.list()])
+        listed = await with_openai(tree, lambda c: [m.id for m in c.models.list()])
         assert listed == ["mock", "mock-embedding", "mock-image"]
         children = [c.id for c in (await tree.root.which_children())]
         assert children[:3] == ["model:mock", "model:mock-embedding", "model:mock-image"]
@@ -86,7 +72,7 @@ async def test_embeddings_as_floats_and_base64_for_texts_and_token_ids() -> None
             ids = client.embeddings.create(model="mock-embedding", input=[[1, 2, 3], [1, 2, 3]])
             return floats, packed, ids
 
-        floats, packed, ids = await _call(tree, embed)
+        floats, packed, ids = await with_openai(tree, embed)
         vectors = [d.embedding for d in floats.data]
         assert [d.index for d in floats.data] == [0, 1, 2]
         assert len(vectors[0]) == 384
@@ -138,7 +124,7 @@ async def test_images_inline_to_a_folder_and_streamed_with_progress(tmp_path: Pa
             )
             return inline, again, stored
 
-        inline, again, stored = await _call(tree, generate)
+        inline, again, stored = await with_openai(tree, generate)
         first = base64.b64decode(inline.data[0].b64_json)
         assert Image.open(io.BytesIO(first)).size == (64, 48)
         assert first == base64.b64decode(again.data[0].b64_json)  # the same seed

@@ -486,21 +486,12 @@ class _Frontend:
         m: RequestMetrics,
     ) -> None:
         """Produce the SSE response of every picture: progress events as their steps end, a
-        completed event each. The status line waits for every picture's first output, so a
-        refusal (a size the model cannot make) keeps its own status."""
-        status, error_type = "cancelled", ""
-        queue = FrameQueue()
-        failure: Exception | None = None
-        early = False
-        waiting, started = len(preqs), anyio.Event()
+        completed event each (see :meth:`_stream_several`)."""
         steps = body.num_inference_steps
 
-        async def consume(index: int, outputs: AsyncIterator[EngineOutput]) -> None:
-            nonlocal waiting
-            out = await next_output(outputs)
-            waiting -= 1
-            if not waiting:
-                started.set()
+        async def produce(
+            index: int, out: EngineOutput, outputs: AsyncIterator[EngineOutput], queue: FrameQueue
+        ) -> None:
             while not out.finished:
                 if out.step is not None:
                     await queue.put(progress_event(index, out.step, steps))
@@ -508,41 +499,7 @@ class _Frontend:
             entry = await self._image_entry(preqs[index], out, body.response_format)
             await queue.put(completed_event(index, entry))
 
-        async def generate() -> None:
-            nonlocal failure, early
-            try:
-                await self._each(info, preqs, consume)
-            except Exception as exc:
-                failure, early = exc, not started.is_set()
-            started.set()
-            queue.close()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(generate)
-                await started.wait()
-                if early:
-                    assert failure is not None
-                    head, error_type = self._early_error(failure)
-                    status = "error"
-                    await writer.start(head)
-                    return
-                await writer.start()
-                frames = await queue.take()
-                while not queue.closed:
-                    await writer.send(frames)
-                    frames = await queue.take()
-            ending = [frames]
-            if failure is None:
-                status = "success"
-            else:
-                frame, error_type = _late_error(failure)
-                status = "error"
-                ending.append(frame)
-            ending.append(DONE_FRAME)
-            await writer.end(b"".join(ending))
-        finally:
-            self._finish(m, status, error_type, disconnected=writer.disconnected)
+        await self._stream_several(writer, info, preqs, m, produce)
 
     def _admit(self, model: str, kinds: tuple[ModelKind, ...] = ("chat", "dllm")) -> ModelInfo:
         info = next((i for i in self.backend.models() if i.name == model), None)
@@ -740,27 +697,16 @@ class _Frontend:
     async def _stream_choices(
         self, writer: SSEWriter, info: ModelInfo, parts: list[Part], m: RequestMetrics
     ) -> None:
-        """Produce the SSE response of several choices, all generated at once.
-
-        The choices' tasks queue their frames; this task alone writes them, all that are queued
-        at each write. The status line goes out once every choice has its first output: a
-        failure before that keeps its own status, a later one is an SSE error event.
-        """
-        status, error_type = "cancelled", ""
-        queue = FrameQueue()
-        failure: Exception | None = None
-        early = False  # the failure came before every choice had its first output
+        """Produce the SSE response of several choices, all generated at once (see
+        :meth:`_stream_several`); usage last, if asked for."""
         tokens = m.tokens
-        waiting, started = len(parts), anyio.Event()
 
-        async def consume(part: Part, outputs: AsyncIterator[EngineOutput]) -> None:
-            nonlocal waiting
-            first = await next_output(outputs)
+        async def produce(
+            index: int, first: EngineOutput, outputs: AsyncIterator[EngineOutput], queue: FrameQueue
+        ) -> None:
+            part = parts[index]
             text, finish = part.choice.on_output(first)
             tokens(len(first.token_ids))
-            waiting -= 1
-            if not waiting:
-                started.set()
             frames: list[bytes] = []
             try:
                 await pump(part, outputs, text, finish, frames, queue.put, tokens)
@@ -768,10 +714,50 @@ class _Frontend:
                 if frames:  # the last frames, or those before a failure (put never waits)
                     await queue.put(b"".join(frames))
 
+        def usage() -> list[bytes]:
+            renderer = parts[0].renderer
+            return [renderer.usage(usage_of(parts))] if renderer.include_usage else []
+
+        await self._stream_several(writer, info, [p.preq for p in parts], m, produce, usage)
+
+    async def _stream_several(
+        self,
+        writer: SSEWriter,
+        info: ModelInfo,
+        preqs: Sequence[PreprocessedRequest],
+        m: RequestMetrics,
+        produce: Callable[
+            [int, EngineOutput, AsyncIterator[EngineOutput], FrameQueue], Awaitable[None]
+        ],
+        tail: Callable[[], list[bytes]] = list,
+    ) -> None:
+        """Produce the SSE response of several engine requests, all run at once: ``produce``
+        turns each one's outputs (its first, then the rest) into frames it queues; ``tail`` gives
+        the frames after the last, when all succeeded.
+
+        This task alone writes the queued frames, all that are queued at each write, so failing
+        or cancelling a request's task never cuts a write in half. The status line goes out once
+        every request has its first output: a failure before that keeps its own status, a later
+        one is an SSE error event.
+        """
+        status, error_type = "cancelled", ""
+        queue = FrameQueue()
+        failure: Exception | None = None
+        early = False  # the failure came before every request had its first output
+        waiting, started = len(preqs), anyio.Event()
+
+        async def consume(index: int, outputs: AsyncIterator[EngineOutput]) -> None:
+            nonlocal waiting
+            first = await next_output(outputs)
+            waiting -= 1
+            if not waiting:
+                started.set()
+            await produce(index, first, outputs, queue)
+
         async def generate() -> None:
             nonlocal failure, early
             try:
-                await self._each_choice(info, parts, consume)
+                await self._each(info, preqs, consume)
             except Exception as exc:
                 failure, early = exc, not started.is_set()
             started.set()
@@ -795,8 +781,7 @@ class _Frontend:
             ending = [frames]
             if failure is None:
                 status = "success"
-                if parts[0].renderer.include_usage:
-                    ending.append(parts[0].renderer.usage(usage_of(parts)))
+                ending.extend(tail())
             else:
                 frame, error_type = _late_error(failure)
                 status = "error"
