@@ -7,7 +7,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import structlog
@@ -25,7 +25,6 @@ from protocols.errors import (
     ModelNotFound,
     Overloaded,
     RequestError,
-    StreamIncomplete,
 )
 
 from ._auth import ApiKeys
@@ -54,11 +53,10 @@ from ._images import (
     ImageGenerationRequest,
     ImageResponse,
     ImageStore,
-    completed_event,
     image_body,
     image_entry,
+    image_frames,
     image_requests,
-    progress_event,
 )
 from ._mapping import (
     build_request,
@@ -425,8 +423,9 @@ class _Frontend:
             preqs = image_requests(body)
             if body.stream:
                 self._enter(m, info, 0, "stream")
+                produce = image_frames(preqs, body, self.image_store)
                 return SSEResponse(
-                    partial(self._stream_images, info=info, preqs=preqs, body=body, m=m),
+                    partial(self._stream_several, info=info, preqs=preqs, m=m, produce=produce),
                     ping_s=self.ping_interval_s,
                 )
             self._enter(m, info, 0, "unary")
@@ -435,7 +434,7 @@ class _Frontend:
                 self._finish(m, "cancelled", disconnected=True)
                 return Response(status_code=499)
             entries = [
-                await self._image_entry(preq, out, body.response_format)
+                await image_entry(self.image_store, preq, out, body.response_format)
                 for preq, out in zip(preqs, outputs, strict=True)
             ]
             self._finish(m, "success")
@@ -464,42 +463,6 @@ class _Frontend:
         if disconnected:
             return None
         return [out for out in outputs if out is not None]
-
-    async def _image_entry(
-        self, preq: PreprocessedRequest, out: EngineOutput, fmt: Literal["b64_json", "url"]
-    ) -> dict[str, Any]:
-        if out.image is None:
-            raise StreamIncomplete(f"the engine answered {preq.rid} without an image")
-        if fmt == "url":
-            # The store may be a remote file system: off the event loop.
-            return await anyio.to_thread.run_sync(
-                image_entry, self.image_store, preq.rid, out.image, fmt
-            )
-        return image_entry(self.image_store, preq.rid, out.image, fmt)
-
-    async def _stream_images(
-        self,
-        writer: SSEWriter,
-        info: ModelInfo,
-        preqs: list[PreprocessedRequest],
-        body: ImageGenerationRequest,
-        m: RequestMetrics,
-    ) -> None:
-        """Produce the SSE response of every picture: progress events as their steps end, a
-        completed event each (see :meth:`_stream_several`)."""
-        steps = body.num_inference_steps
-
-        async def produce(
-            index: int, out: EngineOutput, outputs: AsyncIterator[EngineOutput], queue: FrameQueue
-        ) -> None:
-            while not out.finished:
-                if out.step is not None:
-                    await queue.put(progress_event(index, out.step, steps))
-                out = await next_output(outputs)
-            entry = await self._image_entry(preqs[index], out, body.response_format)
-            await queue.put(completed_event(index, entry))
-
-        await self._stream_several(writer, info, preqs, m, produce)
 
     def _admit(self, model: str, kinds: tuple[ModelKind, ...] = ("chat", "dllm")) -> ModelInfo:
         info = next((i for i in self.backend.models() if i.name == model), None)

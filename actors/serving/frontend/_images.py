@@ -13,21 +13,28 @@ import base64
 import os
 import secrets
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
+import anyio
 import msgspec
 from pydantic import BaseModel, Field
 
-from protocols.engine import ImageOptions, PreprocessedRequest
+from protocols.engine import EngineOutput, ImageOptions, PreprocessedRequest
+from protocols.errors import StreamIncomplete
 
 from ._errors import invalid
 from ._openai_types import Seed, Str, _Accepts, _Request
+from ._streams import FrameQueue, next_output
 
 __all__ = [
     "IMAGES_PATH",
     "ImageGenerationRequest",
     "ImageResponse",
     "ImageStore",
+    "image_body",
+    "image_entry",
+    "image_frames",
     "image_requests",
 ]
 
@@ -136,13 +143,40 @@ class _Body(msgspec.Struct):
     data: list[_Data]
 
 
-def image_entry(
-    store: ImageStore, rid: str, png: bytes, fmt: Literal["b64_json", "url"]
+async def image_entry(
+    store: ImageStore,
+    preq: PreprocessedRequest,
+    out: EngineOutput,
+    fmt: Literal["b64_json", "url"],
 ) -> dict[str, Any]:
-    """One picture as the response gives it: inline or written to the store."""
+    """One picture as the response gives it: inline, or written to the store (in a worker
+    thread: the store may be a remote file system)."""
+    if out.image is None:
+        raise StreamIncomplete(f"the engine answered {preq.rid} without an image")
     if fmt == "url":
-        return {"url": store.write(f"{rid}.png", png)}
-    return {"b64_json": base64.b64encode(png).decode()}
+        url = await anyio.to_thread.run_sync(store.write, f"{preq.rid}.png", out.image)
+        return {"url": url}
+    return {"b64_json": base64.b64encode(out.image).decode()}
+
+
+def image_frames(
+    preqs: Sequence[PreprocessedRequest], body: ImageGenerationRequest, store: ImageStore
+) -> Callable[[int, EngineOutput, AsyncIterator[EngineOutput], FrameQueue], Awaitable[None]]:
+    """What a streamed request's pictures send: a progress event as each denoising step ends,
+    then the picture's completed event."""
+    steps = body.num_inference_steps
+
+    async def produce(
+        index: int, out: EngineOutput, outputs: AsyncIterator[EngineOutput], queue: FrameQueue
+    ) -> None:
+        while not out.finished:
+            if out.step is not None:
+                await queue.put(progress_event(index, out.step, steps))
+            out = await next_output(outputs)
+        entry = await image_entry(store, preqs[index], out, body.response_format)
+        await queue.put(completed_event(index, entry))
+
+    return produce
 
 
 def image_body(entries: list[dict[str, Any]]) -> bytes:

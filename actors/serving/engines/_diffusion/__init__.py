@@ -22,13 +22,14 @@ from ._config import (
 from ._options import ImageLimits, check_image, check_image_kind, draw_seed, image_canary
 
 if TYPE_CHECKING:
-    from ._engine import DiffusersEngine, ImageStream, encode_png
+    from ._engine import DiffusersEngine
+    from ._lanes import ImageStream, encode_png
     from ._tiny import find_tiny_diffusion, tiny_pipeline
 
 _LAZY = {
     "DiffusersEngine": "._engine",
-    "ImageStream": "._engine",
-    "encode_png": "._engine",
+    "ImageStream": "._lanes",
+    "encode_png": "._lanes",
     "find_tiny_diffusion": "._tiny",
     "tiny_pipeline": "._tiny",
 }

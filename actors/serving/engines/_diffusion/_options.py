@@ -1,4 +1,4 @@
-"""Image requests, checked the same way by every image engine (diffusers and the mock).
+"""Image requests, checked the same way by every image engine (diffusers, SGLang and the mock).
 
 Torch-free on purpose: the mock engine validates its image requests with it, and importing the
 mock must never import torch.
@@ -20,6 +20,7 @@ __all__ = [
     "check_image",
     "check_image_kind",
     "draw_seed",
+    "image_arguments",
     "image_canary",
 ]
 
@@ -71,6 +72,21 @@ def check_image(request: PreprocessedRequest, limits: ImageLimits) -> ImageOptio
     if opts.seed is not None and not 0 <= opts.seed < _SEED_LIMIT:
         raise InvalidRequest(f"seed must be within [0, 2**64), got {opts.seed}")
     return opts
+
+
+def image_arguments(opts: ImageOptions) -> dict[str, object]:
+    """The arguments every image model's call takes, by diffusers' names (SGLang's diffusion
+    ``SamplingParams`` use the same): prompt, size, steps, and the negative prompt when given
+    (else the model's own default)."""
+    kwargs: dict[str, object] = {
+        "prompt": opts.prompt,
+        "width": opts.width,
+        "height": opts.height,
+        "num_inference_steps": opts.steps,
+    }
+    if opts.negative_prompt is not None:
+        kwargs["negative_prompt"] = opts.negative_prompt
+    return kwargs
 
 
 def draw_seed() -> int:

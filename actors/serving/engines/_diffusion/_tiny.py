@@ -10,16 +10,13 @@ as a real model's do, a 64x64 picture in a few steps taking tens of milliseconds
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .._hf._model import default_cache_dir
+from .._hf._model import default_cache_dir, file_lock
 
 __all__ = ["TINY_CONTEXT", "find_tiny_diffusion", "tiny_pipeline"]
 
@@ -129,7 +126,7 @@ def find_tiny_diffusion(cache_dir: Path | None = None) -> Path:
     if (folder / _MARKER).is_file():
         return folder
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{folder.name}.lock"):
+    with file_lock(root / f".{folder.name}.lock"):
         if (folder / _MARKER).is_file():  # another process built it while we waited
             return folder
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
@@ -144,13 +141,3 @@ def find_tiny_diffusion(cache_dir: Path | None = None) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -36,6 +36,8 @@ import anyio.to_thread
 import msgspec
 import numpy as np
 
+from actors.serving.engines._embed_options import check_dimensions
+from actors.serving.engines._hf._quiet import LiveRequests
 from protocols import control
 from protocols.engine import (
     Capacity,
@@ -130,14 +132,7 @@ def check_embed_request(request: PreprocessedRequest, native_dim: int) -> EmbedO
         )
     if request.image is not None:
         raise InvalidRequest("an embedding engine cannot serve an image request")
-    dims = embed.dimensions
-    if dims is not None and dims < 1:
-        raise InvalidRequest(f"dimensions must be >= 1, got {dims}")
-    if dims is not None and dims != native_dim:
-        raise InvalidRequest(
-            f"dimensions={dims} is not supported: this model's embeddings have {native_dim} "
-            "dimensions and cannot be shortened"
-        )
+    check_dimensions(embed, native_dim)
     if not request.token_ids:
         raise InvalidRequest("token_ids is empty")
     return embed
@@ -265,7 +260,7 @@ class _Loaded:
     cls_id: int
 
 
-class HFEmbeddingEngine:
+class HFEmbeddingEngine(LiveRequests):
     """An :class:`~protocols.engine.Engine` running a sentence-transformers model on the CPU.
 
     The batcher is no task of its own (the engine contract has no task group to host one): the
@@ -285,7 +280,6 @@ class HFEmbeddingEngine:
         self._running: list[_Pending] = []
         self._leading = False  # a stream is collecting or running a batch
         self._arrival: anyio.Event | None = None  # set when a request joins the queue
-        self._quiet: anyio.Event | None = None  # set when the last live request ends
         self._forward_lock = anyio.Lock()  # held while the model runs (or loads)
         self._paused = False
         self._released: frozenset[MemoryTag] = frozenset()  # swapped whole, never mutated
@@ -466,8 +460,7 @@ class HFEmbeddingEngine:
             self._queue.remove(pending)
         except ValueError:
             pass  # already taken into a batch
-        if not self._live and self._quiet is not None:
-            self._quiet.set()
+        self._settle()
         self._hand_over()  # it may have been woken to lead the next batch
 
     def _can_run(self) -> bool:
@@ -609,17 +602,6 @@ class HFEmbeddingEngine:
         """There is no cache to flush: always True."""
         self._require_info()
         return True
-
-    def is_quiescent(self) -> bool:
-        """True when no request is queued, running, or owed its ending."""
-        return not self._live
-
-    async def wait_quiescent(self) -> None:
-        """Wait until :meth:`is_quiescent`."""
-        while self._live:
-            if self._quiet is None or self._quiet.is_set():
-                self._quiet = anyio.Event()
-            await self._quiet.wait()
 
     def health_payload(self) -> PreprocessedRequest:
         """A one-token embed canary (the model's CLS id) with a fresh rid."""

@@ -13,8 +13,6 @@ engine do: the actor that paused knows to migrate); ``cleanup`` raises
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import gc
 import threading
@@ -45,10 +43,12 @@ from protocols.errors import (
 )
 
 from .._grammar import Vocabulary
+from .._heap import free_heap, malloc_trim
 from ._attention import register_paged_attention
 from ._batch import BatchCore, Delivery, Seq
 from ._kv import KVBuffer, KVLayout, PagePool
 from ._model import ModelFiles, find_smollm2, load_model
+from ._quiet import LiveRequests
 from ._request import Limits, RequestStream, build_seq
 from ._runner import StepRunner
 from ._types import HFEngineConfig, HFEngineStatistics, PrefilledKV
@@ -56,16 +56,7 @@ from ._types import HFEngineConfig, HFEngineStatistics, PrefilledKV
 __all__ = ["HFEngine"]
 
 
-def _malloc_trim() -> None:
-    """Hand freed heap memory back to the OS (glibc keeps it otherwise; RSS would not drop)."""
-    name = ctypes.util.find_library("c")
-    if name:
-        libc = ctypes.CDLL(name)
-        if hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-
-
-class HFEngine:
+class HFEngine(LiveRequests):
     """An :class:`~protocols.engine.Engine` running a transformers causal LM (fp32)."""
 
     def __init__(self, config: HFEngineConfig | None = None) -> None:
@@ -85,7 +76,6 @@ class HFEngine:
         self._bos = 0
         self._closing = False
         self._cleaned: anyio.Event | None = None
-        self._quiet: anyio.Event | None = None  # set when the last live request lets go
         self._vocab: Vocabulary | None = None
         self._vocab_lock = threading.Lock()
 
@@ -210,8 +200,7 @@ class HFEngine:
                 await self._runner.stop(_final_command)
         finally:
             self._runner = None
-            gc.collect()
-            _malloc_trim()
+            free_heap()
             self._cleaned.set()
 
     # ---- generation ----------------------------------------------------------------------
@@ -342,8 +331,7 @@ class HFEngine:
                 stream.push(d.item)
             if d.done:
                 self._live.discard(d.rid)
-        if not self._live and self._quiet is not None:
-            self._quiet.set()
+        self._settle()
 
     def _make_seq(self, request: PreprocessedRequest) -> Seq:
         self._require_runner()
@@ -393,7 +381,7 @@ class HFEngine:
         gc.collect()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
-        _malloc_trim()
+        malloc_trim()
 
     def _resume(self, core: BatchCore, tags: set[MemoryTag]) -> None:
         if MemoryTag.WEIGHTS in tags and core.model is None:
@@ -406,17 +394,6 @@ class HFEngine:
         """There is no prefix cache to flush: always True."""
         self._require_runner()
         return True
-
-    def is_quiescent(self) -> bool:
-        """True when no request is queued, running, or owed its ending."""
-        return not self._live
-
-    async def wait_quiescent(self) -> None:
-        """Wait until :meth:`is_quiescent` (e.g. a drain after ``abort`` or closed streams)."""
-        while self._live:
-            if self._quiet is None or self._quiet.is_set():
-                self._quiet = anyio.Event()
-            await self._quiet.wait()
 
     def health_payload(self) -> PreprocessedRequest:
         """A one-token greedy canary with a fresh rid (call it once per canary)."""

@@ -29,6 +29,7 @@ __all__ = [
     "ModelFiles",
     "ModelPackageMissing",
     "default_cache_dir",
+    "file_lock",
     "find_smollm2",
     "load_model",
 ]
@@ -79,7 +80,7 @@ class ModelFiles:
         if self.is_converted():
             return self.folder
         self.folder.parent.mkdir(parents=True, exist_ok=True)
-        with _file_lock(self.folder.parent / f".{self.folder.name}.lock"):
+        with file_lock(self.folder.parent / f".{self.folder.name}.lock"):
             if not self.is_converted():  # another process may have finished while we waited
                 _convert(self)
         return self.folder
@@ -166,7 +167,9 @@ def _convert(files: ModelFiles) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing): one process builds a
+    cached model folder at a time (``find_smollm2``, the diffusion engine's tiny pipeline)."""
     with path.open("a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from actors.serving.engines._embed_options import check_dimensions
 from protocols.engine import EngineOutput, PreprocessedRequest, Usage
 from protocols.errors import InvalidRequest
 
@@ -32,14 +33,7 @@ def check_embed(request: PreprocessedRequest, kind: str, dim: int) -> None:
         return
     if embed is None:
         raise InvalidRequest("this engine serves embedding models: the request needs 'embed'")
-    dims = embed.dimensions
-    if dims is not None and dims < 1:
-        raise InvalidRequest(f"dimensions must be >= 1, got {dims}")
-    if dims is not None and dims != dim:
-        raise InvalidRequest(
-            f"dimensions={dims} is not supported: this model's embeddings have {dim} "
-            "dimensions and cannot be shortened"
-        )
+    check_dimensions(embed, dim)
 
 
 def mock_embedding(token_ids: Sequence[int], dim: int) -> bytes:

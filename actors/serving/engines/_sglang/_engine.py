@@ -38,6 +38,7 @@ import numpy as np
 import sniffio
 
 from actors.lowlevel import LOOPBACK, free_port
+from actors.serving.engines._embed_options import check_dimensions, wrong_dimensions
 from actors.serving.engines._sglang._config import (
     Role,
     SGLangAPI,
@@ -57,7 +58,13 @@ from actors.serving.engines._sglang._launch import (
     warm_up,
 )
 from actors.serving.engines._sglang._signals import DeferredSignalHandlers
-from actors.serving.engines._sglang._stream import RequestStream, StreamConfig, dispatched
+from actors.serving.engines._sglang._stream import (
+    RequestStream,
+    StreamConfig,
+    dispatched,
+    stopped_error,
+    worker_abort_error,
+)
 from actors.serving.errors import SGLangRequiresAsyncio
 from protocols.engine import (
     BootstrapInfo,
@@ -380,11 +387,7 @@ class SGLangEngine:
             raise InvalidRequest(
                 "this engine serves embedding models: the request needs 'embed' options"
             )
-        dims = embed.dimensions
-        if dims is not None and dims < 1:
-            raise InvalidRequest(f"dimensions must be >= 1, got {dims}")
-        if dims is not None and self._embed_dim is not None and dims != self._embed_dim:
-            raise _wrong_dimensions(dims, self._embed_dim)
+        check_dimensions(embed, self._embed_dim)
         if not request.token_ids:
             raise InvalidRequest("token_ids is empty")
         api = self._api
@@ -543,13 +546,6 @@ class SGLangEngine:
         )
 
 
-def _wrong_dimensions(dims: int, native: int) -> InvalidRequest:
-    return InvalidRequest(
-        f"dimensions={dims} is not supported: this model's embeddings have {native} "
-        "dimensions and cannot be shortened"
-    )
-
-
 class EmbedStream:
     """One embed request through SGLang's tokenizer manager: one answer, then the end.
 
@@ -636,7 +632,7 @@ class EmbedStream:
         embed = self._request.embed
         dims = embed.dimensions if embed is not None else None
         if dims is not None and dims != len(vector):
-            raise _wrong_dimensions(dims, len(vector))
+            raise wrong_dimensions(dims, len(vector))
         usage = Usage(
             prompt_tokens=int(meta.get("prompt_tokens", self._prompt)), completion_tokens=0
         )
@@ -646,21 +642,12 @@ class EmbedStream:
         if self.client_aborted:
             self._finished = True
             return self.cancelled_output()
-        if self._shutdown or self._owner.closing:
-            raise EngineShutdown("the SGLang engine shut down while the request ran")
-        raise EngineFailure("the SGLang embedding request was stopped")
+        raise stopped_error(self._owner, "embedding request", shutdown=self._shutdown)
 
     def _raise_worker_abort(self, message: str, reason: Any = None) -> NoReturn:
         """Raise the error of an abort the client did not ask for (never "cancelled")."""
         self._finished = True
-        status = reason.get("status_code") if isinstance(reason, Mapping) else None
-        if self._shutdown or self._owner.closing:
-            raise EngineShutdown("the SGLang engine shut down while the request ran")
-        if self._owner.paused is not None:
-            raise WorkerDraining("generation paused: SGLang aborted the request")
-        if isinstance(status, int) and 400 <= status < 500:
-            raise InvalidRequest(message or f"SGLang rejected the request ({status})")
-        raise EngineFailure(message or "SGLang aborted the request")
+        raise worker_abort_error(self._owner, message, reason, shutdown=self._shutdown)
 
     def _abort_in_sglang(self) -> None:
         """Abort the request in SGLang's scheduler if it reached it."""

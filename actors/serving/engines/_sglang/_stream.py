@@ -44,7 +44,13 @@ from protocols.errors import (
     WorkerDraining,
 )
 
-__all__ = ["RequestStream", "StreamConfig", "prompt_logprobs"]
+__all__ = [
+    "RequestStream",
+    "StreamConfig",
+    "prompt_logprobs",
+    "stopped_error",
+    "worker_abort_error",
+]
 
 REGISTRATION_WAIT_S = 30.0  # Dynamo: wait for the rid to register
 DISPATCH_WAIT_S = 0.25  # Dynamo: then for the dispatch to the scheduler
@@ -90,6 +96,28 @@ class _Stopped:
 
 _END = _End()
 _STOPPED = _Stopped()
+
+
+def worker_abort_error(owner: _Owner, message: str, reason: Any, *, shutdown: bool) -> RequestError:
+    """The error for an abort of a request (generation or embedding) the client did not ask for,
+    never reported as "cancelled": the engine shut down (``shutdown``: this request's stream
+    saw it), draining (paused), a 4xx status in SGLang's ``reason``, else a failure."""
+    status = reason.get("status_code") if isinstance(reason, Mapping) else None
+    if shutdown or owner.closing:
+        return EngineShutdown("the SGLang engine shut down while the request ran")
+    if owner.paused is not None:
+        return WorkerDraining("generation paused: SGLang aborted the request")
+    if isinstance(status, int) and 400 <= status < 500:
+        return InvalidRequest(message or f"SGLang rejected the request ({status})")
+    return EngineFailure(message or "SGLang aborted the request")
+
+
+def stopped_error(owner: _Owner, what: str, *, shutdown: bool) -> RequestError:
+    """The error for a request (its ``what``) stopped without the client's abort: the engine
+    shut down (``shutdown``: this request's stream saw it), else a failure."""
+    if shutdown or owner.closing:
+        return EngineShutdown("the SGLang engine shut down while the request ran")
+    return EngineFailure(f"the SGLang {what} was stopped")
 
 
 def dispatched(state: Any) -> bool | None:
@@ -353,9 +381,7 @@ class RequestStream:
         if self.client_aborted:
             self._finished = True
             return self.cancelled_output()
-        if self._shutdown or self._owner.closing:
-            raise EngineShutdown("the SGLang engine shut down while the request ran")
-        raise EngineFailure("the SGLang stream was stopped")
+        raise stopped_error(self._owner, "stream", shutdown=self._shutdown)
 
     def _ended(self) -> EngineOutput:
         if self.client_aborted:
@@ -376,14 +402,7 @@ class RequestStream:
     def _worker_abort(self, reason: Any) -> RequestError:
         """The error for an abort the client did not ask for: never reported as "cancelled"."""
         message = str(reason.get("message") or "") if isinstance(reason, Mapping) else ""
-        status = reason.get("status_code") if isinstance(reason, Mapping) else None
-        if self._shutdown or self._owner.closing:
-            return EngineShutdown("the SGLang engine shut down while the request ran")
-        if self._owner.paused is not None:
-            return WorkerDraining("generation paused: SGLang aborted the request")
-        if isinstance(status, int) and 400 <= status < 500:
-            return InvalidRequest(message or f"SGLang rejected the request ({status})")
-        return EngineFailure(message or "SGLang aborted the request")
+        return worker_abort_error(self._owner, message, reason, shutdown=self._shutdown)
 
     async def _close(self, first: asyncio.Future[Any]) -> None:
         """Leave nothing behind: abort a dispatched request, end the step task and generator."""
