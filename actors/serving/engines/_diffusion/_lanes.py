@@ -61,7 +61,7 @@ def encode_png(image: Any) -> bytes:
     return buf.getvalue()
 
 
-class Stop(Exception):
+class _Stop(Exception):
     """Raised on a lane (from a step hook) to end the model call early (the job's ``why`` says
     what follows)."""
 
@@ -169,7 +169,7 @@ class LaneImageEngine:
     """
 
     # Whether a running call can be stopped or parked between denoising steps (the subclass's
-    # ``_picture`` then raises ``Stop`` / waits in ``_step_boundary``); if not, a running call
+    # ``_picture`` then raises ``_Stop`` / waits in ``_step_boundary``); if not, a running call
     # always runs to its end and RETRACT / IN_PLACE / a weights release wait for it.
     STOPS_BETWEEN_STEPS: ClassVar[bool] = True
     _LANE_NAME: ClassVar[str] = "image-lane-{}"  # a lane thread's name ({}: its index)
@@ -220,7 +220,7 @@ class LaneImageEngine:
         """On the loop: refuse (``InvalidRequest``) what this model cannot draw (default: none)."""
 
     def _picture(self, lane: Lane, job: Job) -> bytes:
-        """On ``lane``: draw ``job``'s picture as PNG bytes (``Stop`` ends it early)."""
+        """On ``lane``: draw ``job``'s picture as PNG bytes (``_Stop`` ends it early)."""
         raise NotImplementedError
 
     # ---- public properties ---------------------------------------------------------------
@@ -378,7 +378,7 @@ class LaneImageEngine:
         try:
             if job.why is None:
                 png = self._picture(lane, job)
-        except Stop:
+        except _Stop:
             pass
         except RequestError as exc:
             error = exc
@@ -412,7 +412,7 @@ class LaneImageEngine:
 
     def _step_boundary(self, lane: Lane, job: Job) -> None:
         """On ``lane``, between two steps of a call that can stop there: count the step, park
-        while paused ``IN_PLACE``, raise ``Stop`` once the job is to stop."""
+        while paused ``IN_PLACE``, raise ``_Stop`` once the job is to stop."""
         with self._cv:
             self._steps += 1
             while self._hold and job.why is None and not self._stopping:
@@ -422,7 +422,7 @@ class LaneImageEngine:
                 self._cv.wait()
             lane.parked = False
             if job.why is not None or self._stopping:
-                raise Stop
+                raise _Stop
 
     # ---- control -------------------------------------------------------------------------
     async def abort(self, rid: str) -> None:
