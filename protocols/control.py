@@ -3,6 +3,8 @@ codec). Generation itself is a stream request carrying a ``PreprocessedRequest``
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from protocols import codec
@@ -152,6 +154,23 @@ class Histogram:
     bounds: tuple[float, ...]
     counts: tuple[int, ...]
     sum: float = 0.0
+
+    @classmethod
+    def empty(cls, bounds: tuple[float, ...]) -> Histogram:
+        return cls(bounds, (0,) * (len(bounds) + 1))
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus' buckets: ``(le, observations <= le)``, ``+Inf`` last."""
+        out: list[tuple[str, int]] = []
+        running = 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound == math.inf else repr(float(bound)), running))
+        return out
 
 
 @attrs.frozen

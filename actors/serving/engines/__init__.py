@@ -107,7 +107,6 @@ if TYPE_CHECKING:
         pages_needed,
     )
     from actors.serving.engines._hf._embed import (
-        EmbeddingHistogram,
         HFEmbeddingConfig,
         HFEmbeddingEngine,
         HFEmbeddingStatistics,
@@ -160,7 +159,6 @@ _LAZY = {
     ),
     **dict.fromkeys(
         (
-            "EmbeddingHistogram",
             "HFEmbeddingConfig",
             "HFEmbeddingEngine",
             "HFEmbeddingStatistics",
@@ -192,7 +190,6 @@ __all__ = [
     "DiffusersEngine",
     "DiffusersEngineConfig",
     "DiffusersEngineStatistics",
-    "EmbeddingHistogram",
     "EngineRole",
     "EngineStream",
     "HFEmbeddingConfig",

@@ -555,19 +555,6 @@ class _Frontend:
         finally:
             await aclose_quietly(outputs)
 
-    def _each_choice(
-        self,
-        info: ModelInfo,
-        parts: Sequence[Part],
-        consume: Callable[[Part, AsyncIterator[EngineOutput]], Awaitable[None]],
-    ) -> Awaitable[None]:
-        """:meth:`_each` over the choices' engine requests."""
-
-        def by_index(index: int, outputs: AsyncIterator[EngineOutput]) -> Awaitable[None]:
-            return consume(parts[index], outputs)
-
-        return self._each(info, [part.preq for part in parts], by_index)
-
     async def _unary(
         self,
         request: Request,
@@ -578,7 +565,8 @@ class _Frontend:
     ) -> Response:
         tokens = m.tokens
 
-        async def collect(part: Part, outputs: AsyncIterator[EngineOutput]) -> None:
+        async def collect(index: int, outputs: AsyncIterator[EngineOutput]) -> None:
+            part = parts[index]
             texts = [part.echo]
             while True:
                 out = await next_output(outputs)
@@ -590,7 +578,7 @@ class _Frontend:
                     return
 
         _, disconnected = await until_disconnected(
-            request.receive, partial(self._each_choice, info, parts, collect)
+            request.receive, partial(self._each, info, [p.preq for p in parts], collect)
         )
         if disconnected:
             self._finish(m, "cancelled", disconnected=True)

@@ -8,7 +8,6 @@ then subscribes to the new engine's endpoints.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -82,11 +81,7 @@ class _Figures(Collector):
                     hist = histograms[name] = HistogramMetricFamily(
                         f"actorserve_worker_{name}", FIGURES.get(name, name), labels=["worker"]
                     )
-                buckets, running = [], 0
-                for bound, n in zip((*h.bounds, math.inf), h.counts, strict=True):
-                    running += n
-                    buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), running))
-                hist.add_metric([worker], buckets, h.sum)
+                hist.add_metric([worker], h.cumulative(), h.sum)
         yield from counters.values()
         yield from histograms.values()
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import bisect
 import gc
 import json
-import math
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
@@ -61,7 +60,6 @@ from protocols.errors import (
 __all__ = [
     "BATCH_SIZE_BUCKETS",
     "INPUT_TOKEN_BUCKETS",
-    "EmbeddingHistogram",
     "HFEmbeddingConfig",
     "HFEmbeddingEngine",
     "HFEmbeddingStatistics",
@@ -138,39 +136,8 @@ def check_embed_request(request: PreprocessedRequest, native_dim: int) -> EmbedO
     return embed
 
 
-@dataclass(frozen=True)
-class EmbeddingHistogram:
-    """A histogram's state: ``counts[i]`` observations in bucket ``i`` (at most ``bounds[i]``
-    and above the bound before it; the last bucket, one past ``bounds``, is ``+Inf``)."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    sum: float = 0.0
-
-    @classmethod
-    def empty(cls, bounds: tuple[float, ...]) -> EmbeddingHistogram:
-        return cls(bounds, (0,) * (len(bounds) + 1))
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """Prometheus' buckets: ``(le, observations <= le)``, ``+Inf`` last."""
-        out: list[tuple[str, int]] = []
-        running = 0
-        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
-            running += n
-            out.append(("+Inf" if bound == math.inf else repr(float(bound)), running))
-        return out
-
-
-def _wire(histogram: EmbeddingHistogram) -> control.Histogram:
-    return control.Histogram(histogram.bounds, histogram.counts, histogram.sum)
-
-
 class _Histogram:
-    """The engine's mutable side of an :class:`EmbeddingHistogram`."""
+    """The engine's mutable side of a :class:`~protocols.control.Histogram`."""
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
@@ -181,8 +148,8 @@ class _Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def snapshot(self) -> EmbeddingHistogram:
-        return EmbeddingHistogram(self.bounds, tuple(self.counts), self.sum)
+    def snapshot(self) -> control.Histogram:
+        return control.Histogram(self.bounds, tuple(self.counts), self.sum)
 
 
 @dataclass(frozen=True)
@@ -201,11 +168,11 @@ class HFEmbeddingStatistics:
     last_batch_size: int = 0
     max_batch_size: int = 0  # the largest batch so far
     failures: int = 0  # forward passes that raised
-    batch_size: EmbeddingHistogram = field(
-        default_factory=lambda: EmbeddingHistogram.empty(BATCH_SIZE_BUCKETS)
+    batch_size: control.Histogram = field(
+        default_factory=lambda: control.Histogram.empty(BATCH_SIZE_BUCKETS)
     )
-    request_input_tokens: EmbeddingHistogram = field(
-        default_factory=lambda: EmbeddingHistogram.empty(INPUT_TOKEN_BUCKETS)
+    request_input_tokens: control.Histogram = field(
+        default_factory=lambda: control.Histogram.empty(INPUT_TOKEN_BUCKETS)
     )
 
     def counters(self) -> dict[str, int]:
@@ -215,8 +182,8 @@ class HFEmbeddingStatistics:
     def histograms(self) -> dict[str, control.Histogram]:
         """Dynamo's embedding histograms, for the worker to export."""
         return {
-            "embedding_batch_size": _wire(self.batch_size),
-            "embedding_input_tokens": _wire(self.request_input_tokens),
+            "embedding_batch_size": self.batch_size,
+            "embedding_input_tokens": self.request_input_tokens,
         }
 
     # The engine contract's ``EngineStatistics``.
