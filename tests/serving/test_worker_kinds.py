@@ -93,6 +93,7 @@ async def test_embeddings_as_floats_and_base64_for_texts_and_token_ids() -> None
             for body, param in [
                 ({"input": "x", "dimensions": 12}, None),  # the model is not cut to size
                 ({"input": "x", "dimensions": 0}, "dimensions"),
+                ({"input": "x", "dimensions": 2**64}, "dimensions"),  # found by the fuzzer
                 ({"input": []}, "input"),
                 ({"input": "x" * 100_000}, "input"),
             ]:

@@ -56,6 +56,7 @@ class EmbeddingRequest(_Request):
         int | None,
         Field(
             ge=1,
+            le=2**31 - 1,  # any model's size, and a number every wire format carries
             description="The vector's size; only what the model gives, unless it is "
             "trained to be cut (the engine refuses others).",
         ),
