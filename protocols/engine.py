@@ -270,6 +270,9 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     kv_events_endpoints: tuple[str, ...] = ()  # one per data-parallel rank
     kv_events_replay_endpoints: tuple[str, ...] = ()  # ROUTER replay, one per rank (or none)
     metrics_endpoint: str | None = None
+    # SGLang's schedulers PUSH their load metrics to an ipc path nobody binds: the reader binds a
+    # PULL there and reads SGLang's own encoding (otherwise: a PUB the reader subscribes to).
+    metrics_pushed: bool = False
     # A decode engine that computes a prompt's KV itself when no prefill worker can (the
     # decode-only fallback); SGLang's decode mode cannot: its requests wait for a prefill worker.
     prefills_alone: bool = True

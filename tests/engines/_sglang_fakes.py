@@ -428,6 +428,8 @@ class FakeTokenizerManager:
 
     @sglang("TokenizerManager", "release_memory_occupation")
     async def release_memory_occupation(self, obj: Any, request: Any) -> None:
+        # SGLang's scheduler asserts it is idle (and dies if not).
+        assert not self.rid_to_state, "release_memory_occupation needs an idle server"
         for tag in obj.tags:
             if tag in self.released:
                 raise KeyError(tag)

@@ -446,6 +446,34 @@ async def test_release_and_resume_memory(anyio_backend: str, fake: FakeSGLang) -
         assert outs[-1].finish_reason == "length"
 
 
+async def test_release_waits_for_sglang_to_let_aborted_requests_go(
+    anyio_backend: str, fake: FakeSGLang, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running(anyio_backend, fake, memory_release=True) as engine:
+        if engine is None:
+            return
+        registry = fake.engines[0].tokenizer_manager.rid_to_state
+        await engine.pause(PauseMode.RETRACT)
+        # An aborted request SGLang has not let go yet: the release waits for it.
+        registry["leaving"] = object()
+
+        async def let_go() -> None:
+            await anyio.sleep(0.1)
+            del registry["leaving"]
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(let_go)
+            await engine.release_memory([MemoryTag.KV_CACHE])
+        assert engine.released_tags() == {MemoryTag.KV_CACHE}
+        # One that never goes: a typed failure (the lifecycle rolls back), SGLang never asked.
+        monkeypatch.setattr("actors.serving.engines._sglang._engine._RELEASE_IDLE_WAIT_S", 0.1)
+        registry["stuck"] = object()
+        with pytest.raises(EngineFailure, match="still holds 1 requests"):
+            await engine.release_memory([MemoryTag.WEIGHTS])
+        del registry["stuck"]
+        assert len(fake.args_of("TokenizerManager.release_memory_occupation")) == 1
+
+
 async def test_release_needs_the_memory_saver(anyio_backend: str, fake: FakeSGLang) -> None:
     async with running(anyio_backend, fake) as engine:
         if engine is None:

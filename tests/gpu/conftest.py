@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,10 @@ from tests.helpers.serving import Tree
 from tests.helpers.timetrap import timetrap
 
 MODEL = Path(os.environ.get("ACTORSERVE_GPU_MODEL", "."))
+# run.sh runs one pytest-xdist worker per GPU; each worker keeps to its own (set before any
+# engine, and so any CUDA context, exists).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", os.environ["PYTEST_XDIST_WORKER"][2:])
 TIMETRAP_S = 600  # a worker restart is an SGLang start plus its warm-up
 
 
@@ -59,11 +63,14 @@ def openai_client(tree: Tree) -> openai.AsyncOpenAI:
 
 
 async def stream_all(
-    tree: Tree, prompts: Sequence[str], kill: EngineRole | None = None
+    tree: Tree,
+    prompts: Sequence[str],
+    midway: Callable[[], Awaitable[None]] | None = None,
+    *,
+    once: Callable[[Iterable[object]], bool] = all,
 ) -> list[str]:
-    """The prompts' greedy completions, streamed at once; ``kill``: SIGKILL the engine of that
-    role's busiest worker mid-stream: a prefill worker once the first stream has output (the
-    others still being prefilled or waiting for their KV), any other once every stream has."""
+    """The prompts' greedy completions, streamed at once; ``midway`` runs while they stream,
+    once ``once`` of them (``all`` or ``any``) has output."""
     texts = [""] * len(prompts)
     async with openai_client(tree) as c:
         model = (await c.models.list()).data[0].id
@@ -77,25 +84,51 @@ async def stream_all(
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
-            if kill is not None:
-                started = any if kill == "prefill" else all
-                await wait_until(lambda: started(texts), timeout=120)
-                workers = [w for w, role in tree.serving.roles.items() if role == kill]
-                stats = {w: await tree.engine_stats(w) for w in workers}
-                victim = max(workers, key=lambda w: stats[w].running)
-                os.kill(stats[victim].pid, signal.SIGKILL)
+            if midway is not None:
+                await wait_until(lambda: once(texts), timeout=120)
+                await midway()
     return texts
 
 
-def gpu_processes() -> list[int]:
-    """PIDs holding GPU memory now (nvidia-smi's compute apps)."""
+async def busiest(tree: Tree, role: EngineRole) -> str:
+    """The worker of ``role`` running the most requests now."""
+    workers = [w for w, r in tree.serving.roles.items() if r == role]
+    running = {w: (await tree.engine_stats(w)).running for w in workers}
+    return max(workers, key=lambda w: running[w])
+
+
+def sigkill(tree: Tree, role: EngineRole) -> Callable[[], Awaitable[None]]:
+    """A ``midway`` for :func:`stream_all`: SIGKILL the engine of ``role``'s busiest worker."""
+
+    async def kill() -> None:
+        os.kill((await tree.engine_stats(await busiest(tree, role))).pid, signal.SIGKILL)
+
+    return kill
+
+
+def _nvidia_smi(*query: str) -> list[str]:
+    # The GPU this process was given (run.sh gives each pytest-xdist worker its own), by the
+    # physical index nvidia-smi uses; all of them otherwise.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    select = [f"--id={visible}"] if visible else []
     out = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+        ["nvidia-smi", *query, "--format=csv,noheader,nounits", *select],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return [int(line) for line in out.split() if line.strip().isdigit()]
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def gpu_processes() -> list[int]:
+    """PIDs holding memory on this process's GPU now (nvidia-smi's compute apps)."""
+    return [int(line) for line in _nvidia_smi("--query-compute-apps=pid") if line.isdigit()]
+
+
+def gpu_memory() -> tuple[int, int]:
+    """MiB in use and in all on this process's GPU now."""
+    used, total = _nvidia_smi("--query-gpu=memory.used,memory.total")[0].split(",")
+    return int(used), int(total)
 
 
 @pytest.fixture(scope="module")

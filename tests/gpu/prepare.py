@@ -7,7 +7,8 @@ here, with network).
 - ``wheels/``: actorserve's dependencies that the GPU image lacks and the bundle does not have.
 
 It also trims the bundle's nixl tarball to what SGLang's KV transfer loads (the UCX plugin and
-the libraries it needs), so that the bundle, this folder and the checkout fit one call's carry.
+the libraries it needs), and the memory saver's wheel to the image's CUDA, so that the bundle,
+this folder and the checkout fit one call's carry.
 """
 
 from __future__ import annotations
@@ -19,19 +20,25 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 from actors.serving.engines import find_smollm2
 
-__all__ = ["WHEELS", "main", "trim_nixl"]
+__all__ = ["WHEELS", "main", "trim_memory_saver", "trim_nixl"]
 
-# On the image: attrs, psutil, rich, typer, numpy, prometheus-client, xxhash, httpx, pytest.
+# On the image: attrs, psutil, rich, typer, numpy, prometheus-client, xxhash, httpx, pytest,
+# pytest-xdist.
 # In the SGLang bundle: msgspec, pyzmq, uvicorn, fastapi, pydantic, openai, sniffio.
 WHEELS = (
     *("anyio>=4.6", "cattrs>=24.1", "structlog>=24.1", "httptools>=0.6"),
     *("hypercorn>=0.17", "h2", "hpack", "hyperframe", "priority", "wsproto"),
     # SGLang's own launch_server (the benchmark's baseline) imports these.
     *("jsonschema", "jsonschema-specifications", "referencing", "rpds-py", "python-multipart"),
+    # SGLang's memory saver (release/resume of weights and KV cache).
+    "torch-memory-saver>=0.0.9.post1",
+    # The grammar engines' (imported by every engine module).
+    "llguidance",
 )
 _PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 _MODEL_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -42,6 +49,25 @@ _NIXL_UNUSED = re.compile(
     r"|/ucx/libucx_perftest"
     r"|nixl_cu13\.libs/lib(aws-cpp-sdk-s3|azure-|xml2-|aio-|pull-|gusli_clnt-|uring-)"
 )
+
+
+#: The memory saver's builds for other runtimes than the GPU image's (torch +cu130 loads the
+#: ``_cu13`` ones).
+_SAVER_UNUSED = re.compile(r"^torch_memory_saver_hook_mode_\w+?(?<!_cu13)\.abi3\.so$")
+
+
+def trim_memory_saver(wheels: Path) -> None:
+    """Drop :data:`_SAVER_UNUSED` from the torch-memory-saver wheel, in place (idempotent)."""
+    for wheel in wheels.glob("torch_memory_saver-*.whl"):
+        trimmed = wheel.with_suffix(".trimmed")
+        with (
+            zipfile.ZipFile(wheel) as src,
+            zipfile.ZipFile(trimmed, "w", zipfile.ZIP_DEFLATED) as out,
+        ):
+            for item in src.infolist():
+                if not _SAVER_UNUSED.match(item.filename):
+                    out.writestr(item, src.read(item))
+        trimmed.replace(wheel)
 
 
 def trim_nixl(tarball: Path) -> None:
@@ -74,6 +100,7 @@ def main(dest: Path, bundle: Path) -> None:
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
     target = ["--python-version", "3.12", "--implementation", "cp", *platforms]
     subprocess.run([*pip, *target, "-d", str(wheels), *WHEELS], check=True)
+    trim_memory_saver(wheels)
     nixl = bundle / "nixl-site.tar.xz"
     if nixl.exists():
         trim_nixl(nixl)

@@ -1,17 +1,20 @@
 """Two aggregated SGLang engines on one GPU under one tree: the OpenAI API through the `openai`
 client, aborts that reach SGLang, health canaries judged on the real engine, KV-aware routing fed
-by SGLang's real KV events, and a SIGKILL mid-stream migrated token for token."""
+by SGLang's real KV events, its scheduler load metrics reaching the publisher and the router, and
+a SIGKILL mid-stream migrated token for token."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 import openai
 import pytest
 
 from actors.serving.worker._health import CANARIES
+from actors.telemetry import REGISTRY
 from actors.testing import wait_until
-from tests.gpu.conftest import MODEL, openai_client, sglang_args, stream_all
+from tests.gpu.conftest import MODEL, openai_client, sglang_args, sigkill, stream_all
 from tests.helpers.serving import Tree, serving_tree
 
 WORKERS = ["decode-0", "decode-1"]
@@ -149,11 +152,35 @@ async def test_kv_aware_routing_follows_sglang_kv_events(tree: Tree) -> None:
             assert (usage.prompt_tokens_details.cached_tokens or 0) >= len(tokens) - 16
 
 
+async def test_sglang_load_metrics_feed_the_publisher_and_the_router(tree: Tree) -> None:
+    table = tree.serving.model().table
+    busy: set[str] = set()
+
+    async def watch() -> None:
+        while True:
+            busy.update(w for w in WORKERS if table.workers[w].reported_active > 0)
+            await anyio.sleep(0.005)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        await stream_all(tree, [f"Load {i}:" for i in range(8)])
+        tg.cancel_scope.cancel()
+    # SGLang's schedulers pushed their KvMetrics: both engines were seen running requests, and
+    # both are idle again; the publisher's gauges carry the engines' own KV block counts.
+    assert busy == set(WORKERS)
+    await wait_until(lambda: all(table.workers[w].reported_active == 0 for w in WORKERS))
+    for worker in WORKERS:
+        total = REGISTRY.get_sample_value(
+            "actorserve_worker_total_blocks", {"worker": worker, "dp_rank": "0"}
+        )
+        assert total == table.workers[worker].capacity.total_kv_blocks
+
+
 async def test_sigkill_of_an_engine_mid_stream_is_migrated_token_for_token(tree: Tree) -> None:
     prompts = [f"Story number {i}: it began when" for i in range(4)]
     baseline = await stream_all(tree, prompts)
     pids = {w: (await tree.engine_stats(w)).pid for w in WORKERS}
-    assert await stream_all(tree, prompts, kill="aggregated") == baseline
+    assert await stream_all(tree, prompts, sigkill(tree, "aggregated")) == baseline
     # The killed worker comes back (a fresh SGLang: start and warm-up) and serves again.
     await tree.wait_ready(2, timeout=600)
     after = {w: (await tree.engine_stats(w)).pid for w in WORKERS}

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.gpu.conftest import MODEL, sglang_args, stream_all
+from tests.gpu.conftest import MODEL, sglang_args, sigkill, stream_all
 from tests.helpers.serving import Tree, serving_tree
 
 PROMPTS = [f"Story number {i}: it began when" for i in range(4)]
@@ -39,7 +39,7 @@ async def test_streams_through_prefill_and_decode(tree: Tree) -> None:
 
 async def test_decode_sigkill_mid_stream_is_migrated_token_for_token(tree: Tree) -> None:
     baseline = await stream_all(tree, PROMPTS)
-    assert await stream_all(tree, PROMPTS, kill="decode") == baseline
+    assert await stream_all(tree, PROMPTS, sigkill(tree, "decode")) == baseline
     await tree.wait_ready(3, timeout=600)
 
 
@@ -47,5 +47,5 @@ async def test_prefill_sigkill_under_load_loses_nothing(tree: Tree) -> None:
     baseline = await stream_all(tree, PROMPTS)
     # Requests whose KV arrived keep decoding; the others are prefilled again once the prefill
     # worker is back.
-    assert await stream_all(tree, PROMPTS, kill="prefill") == baseline
+    assert await stream_all(tree, PROMPTS, sigkill(tree, "prefill"), once=any) == baseline
     await tree.wait_ready(3, timeout=600)

@@ -6,13 +6,16 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
 import pytest
+import zmq
 
-from actors import ActorCrashed, current_registry
+from actors import Actor, ActorCrashed, current_registry
+from actors._zmq import context as zmq_context
 from actors.process import ProcessOptions
 from actors.serving import RoutingTable
 from actors.serving.engines import MockEngineConfig, TimingModel
@@ -25,10 +28,12 @@ from actors.serving.worker import (
     worker_spec,
 )
 from actors.serving.worker._faults import InjectedFaults
+from actors.serving.worker._publisher import Publisher
+from actors.telemetry import REGISTRY
 from protocols import PreprocessedRequest, StopConditions, control
-from protocols.engine import MemoryTag, PauseMode
+from protocols.engine import Capacity, MemoryTag, PauseMode
 from protocols.errors import EngineFailure
-from supervisors import SupervisorFlags, SupervisorRef, open_supervisor
+from supervisors import ChildSpec, SupervisorFlags, SupervisorRef, open_supervisor
 
 CONFIG = msgspec.msgpack.encode(
     MockEngineConfig(
@@ -192,3 +197,59 @@ def test_injected_faults_are_armed_only_while_one_is_left() -> None:
         faults.check("generate")
     assert not faults.armed
     faults.check("generate")  # none left: no failure
+
+
+class _PushingEngine(Actor):
+    """Stands in for an SGLang engine actor: its capacity says its schedulers PUSH their load
+    metrics (SGLang's encoding, KV "blocks" counted in tokens) to an ipc path nobody binds."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    async def receive(self, message: Any) -> Any:
+        if isinstance(message, control.GetCapacity):
+            return Capacity(
+                total_kv_blocks=4096,
+                block_size=16,
+                max_running_requests=48,
+                max_batch_tokens=8192,
+                context_length=4096,
+                metrics_endpoint=self.endpoint,
+                metrics_pushed=True,
+            )
+        if isinstance(message, control.GetStats):
+            return control.EngineStats(
+                running=0, finished=0, last_output=0.0, released=(), quiescent=True
+            )
+        return await super().receive(message)
+
+
+async def test_publisher_binds_for_metrics_an_engine_pushes(tmp_path: Path) -> None:
+    table = RoutingTable({"w0": "aggregated"})
+    endpoint = f"ipc://{tmp_path}/metrics"
+    name = engine_name("w0")
+    children = [
+        ChildSpec("engine", lambda: _PushingEngine(endpoint), name=name),
+        ChildSpec("publisher", lambda: Publisher("w0", name, table)),
+    ]
+    async with open_supervisor(children):
+        table.register("w0", _engine(), await _engine().ask(control.GetCapacity()))
+        push = zmq_context().socket(zmq.PUSH)
+        try:
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(endpoint)  # as SGLang's schedulers do; the publisher binds
+            # SGLang's msgpack of its KvMetrics struct: 3 running, 65536 tokens of KV.
+            message = msgspec.msgpack.encode(["KvMetrics", 3, 48, 1600, 65536, 2, 0.25, 0.5, 0])
+            with anyio.fail_after(10):
+                while table.workers["w0"].reported_active != 3:
+                    push.send(message)
+                    await anyio.sleep(0.02)
+        finally:
+            push.close()
+        entry = table.workers["w0"]
+        assert (entry.waiting, entry.cache_usage) == (2, 0.25)
+        # The gauges count pages, as the router does: SGLang's 65536 tokens are 4096 blocks.
+        total = REGISTRY.get_sample_value(
+            "actorserve_worker_total_blocks", {"worker": "w0", "dp_rank": "0"}
+        )
+        assert total == 4096

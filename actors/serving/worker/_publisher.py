@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 
 from actors import Actor, ActorRef, current_registry
+from actors.serving.engines import SGLangMetricsReader
 from actors.serving.worker._subscribe import KvEventSubscriber, KvMetricsSubscriber
 from actors.telemetry import REGISTRY
 from protocols import control
@@ -104,7 +105,7 @@ class Publisher(Actor):
         self.engine_name = engine_name
         self.sink = sink
         self.batches = 0
-        self._subscribers: list[KvEventSubscriber | KvMetricsSubscriber] = []
+        self._subscribers: list[KvEventSubscriber | KvMetricsSubscriber | SGLangMetricsReader] = []
 
     async def started(self) -> None:
         engine: ActorRef[Any] | None = current_registry().whereis(self.engine_name)
@@ -122,9 +123,12 @@ class Publisher(Actor):
                 self._events, rank, endpoint, replay, name=f"{self.worker_id} kv events {rank}"
             )
         if capacity.metrics_endpoint is not None:
-            self.start_soon(
-                self._metrics, capacity.metrics_endpoint, name=f"{self.worker_id} metrics"
+            reader = (
+                SGLangMetricsReader(capacity.metrics_endpoint, page_size=capacity.block_size)
+                if capacity.metrics_pushed
+                else KvMetricsSubscriber(capacity.metrics_endpoint)
             )
+            self.start_soon(self._metrics, reader, name=f"{self.worker_id} metrics")
         stats: control.EngineStats = await engine.ask(control.GetStats())
         if stats.counters or stats.histograms:
             _FIGURES.by_worker[self.worker_id] = stats
@@ -151,8 +155,7 @@ class Publisher(Actor):
                     if self.sink is not None:
                         self.sink.kv_events(self.worker_id, rank, batch)
 
-    async def _metrics(self, endpoint: str) -> None:
-        subscriber = KvMetricsSubscriber(endpoint)
+    async def _metrics(self, subscriber: KvMetricsSubscriber | SGLangMetricsReader) -> None:
         self._subscribers.append(subscriber)
         # Each rank's gauges, resolved once: labels() per message cost more than the updates.
         gauges: dict[int, tuple[Any, ...]] = {}

@@ -339,5 +339,6 @@ def build_capacity(
         kv_events_endpoints=kv_events_endpoints,
         kv_events_replay_endpoints=kv_events_replay_endpoints,
         metrics_endpoint=metrics_endpoint,
+        metrics_pushed=metrics_endpoint is not None,
         prefills_alone=prefills_alone,
     )

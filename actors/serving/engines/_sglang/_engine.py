@@ -100,6 +100,9 @@ _TAG_ORDER = (MemoryTag.KV_CACHE, MemoryTag.WEIGHTS, MemoryTag.CUDA_GRAPH)
 _EARLY_ABORTS_MAX = 4096
 _EARLY_ABORT_TTL_S = 60.0
 _SHUTDOWN_DRAIN_S = 2.0  # cleanup: how long in-flight streams get to end after their abort
+# SGLang's scheduler asserts it is idle on a release (a failed assertion kills it), and an
+# aborted request leaves its registry only once the scheduler has let it go.
+_RELEASE_IDLE_WAIT_S = 10.0
 
 
 class SGLangEngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -472,6 +475,14 @@ class SGLangEngine:
             return
         if self._paused is None:
             raise RuntimeError("pause generation before releasing memory")
+        for _ in range(int(_RELEASE_IDLE_WAIT_S / 0.01)):
+            if not self._tm.rid_to_state:
+                break
+            await anyio.sleep(0.01)
+        if self._tm.rid_to_state:
+            raise EngineFailure(
+                f"SGLang still holds {len(self._tm.rid_to_state)} requests; not released"
+            )
         await self._tm.release_memory_occupation(
             api.ReleaseMemoryOccupationReqInput(tags=[t.value for t in todo]), None
         )
