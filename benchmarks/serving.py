@@ -283,7 +283,7 @@ def start_root(
         "2",
         "--port",
         str(port),
-        "--model",
+        "--served-model-name",
         "mock",
         "--engine-arg",
         timing_arg,

@@ -2,7 +2,8 @@
 
 - ``run-options``: the options of ``actorserve run`` (flag, default, meaning), read from the typer
   app in ``actors/serving/cli.py``; a default the command line leaves unset is the config file's
-  (``ServeConfig``) or, where the code works it out at run time, a word from ``RUNTIME_DEFAULTS``.
+  (``ServeConfig``'s field of the option, which ``OPTION_FIELDS`` names where its name differs)
+  or, where the code works it out at run time, a word from ``RUNTIME_DEFAULTS``.
 - ``config-fields``: the fields of a config file (``actors.serving.ServeConfig``).
 
 Usage, from the repository root::
@@ -30,10 +31,12 @@ TARGETS: dict[str, tuple[str, ...]] = {
 }
 
 #: Defaults the code works out at run time, for the options whose default is unset (``None`` or
-#: ``""``) on the command line and empty in ``ServeConfig`` (``--model``'s comes from
+#: ``""``) on the command line and empty in ``ServeConfig`` (``--served-model-name``'s comes from
 #: ``DEFAULT_MODEL_NAMES``).
 RUNTIME_DEFAULTS: dict[str, str] = {
     "config": "none",
+    "model": "the kind's packaged model (hf: SmolLM2-135M-Instruct, all-MiniLM-L6-v2, a tiny "
+    "diffusion pipeline); sglang: its `model_path`",
     "engine_arg": "none",
     "prefill_engine_arg": "none",
     "decode_engine_arg": "none",
@@ -51,6 +54,7 @@ RUNTIME_DEFAULTS: dict[str, str] = {
     "ssl_certfile": "none: plain HTTP",
     "ssl_keyfile": "none",
     "image_dir": "`~/.cache/actorserve/images`",
+    "otlp_endpoint": "none: no tracing",
 }
 
 #: What the config-file fields without a command-line option mean (and ``engine_args``, whose
@@ -82,8 +86,8 @@ FIELD_MEANINGS: dict[str, str] = {
     "kv_events": "sglang: publish KV events to the router (default: on with the kv_aware "
     "router; the mock always publishes them).",
     "models": "More models served by the same root, each a table of the model fields above "
-    "(`model`, `kind`, `backend`, `mode`, workers, engine args, ...): its own subtree, workers "
-    "and routing; `/v1/models` lists them all.",
+    "(`model`, `weights`, `kind`, `backend`, `mode`, workers, engine args, ...): its own "
+    "subtree, workers and routing; `/v1/models` lists them all.",
 }
 
 
@@ -125,6 +129,13 @@ def _config_defaults() -> dict[str, Any]:
     return out
 
 
+def _field(name: str) -> str:
+    """The config-file field an option of ``actorserve run`` sets (if any)."""
+    from actors.serving.cli import OPTION_FIELDS
+
+    return OPTION_FIELDS.get(name, name)
+
+
 def run_params() -> list[Any]:
     """The parameters of ``actorserve run``, as the command line parses them."""
     import typer
@@ -147,11 +158,12 @@ def run_rows() -> list[Row]:
     rows = []
     for param in params:
         name: str = param.name
+        field = _field(name)
         if param.default not in (None, ""):
             default = _code(param.default)
-        elif config.get(name) not in (None, "", {}, []):
-            default = _code(config[name])
-        elif name == "model":
+        elif config.get(field) not in (None, "", {}, []):
+            default = _code(config[field])
+        elif field == "model":
             default = _model_default()
         elif name in RUNTIME_DEFAULTS:
             default = RUNTIME_DEFAULTS[name]
@@ -182,8 +194,8 @@ def _field_value(value: object) -> str:
 def config_fields_table() -> str:
     """The markdown table of the fields a config file may set (``ServeConfig``)."""
     config = _config_defaults()
-    helps = {p.name: p.help or "" for p in run_params()}
-    flags = {name: f"--{name.replace('_', '-')}" for name in helps}
+    helps = {_field(p.name): p.help or "" for p in run_params()}
+    flags = {_field(p.name): p.opts[0] for p in run_params()}
     flags["engine_args"] = "--engine-arg"
     stale = set(FIELD_MEANINGS) - set(config)
     if stale:

@@ -177,6 +177,10 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     ``embed`` or ``image`` make it a request of that kind, for an engine of that kind: one
     output with the vector or the picture instead of generated tokens.
+
+    ``traceparent`` is the W3C trace context of the attempt that sent it (only while the root
+    traces requests), for an engine that continues the trace (SGLang's
+    ``external_trace_header``).
     """
 
     rid: str
@@ -194,6 +198,7 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     generated: int = 0
     embed: EmbedOptions | None = None
     image: ImageOptions | None = None
+    traceparent: str | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):

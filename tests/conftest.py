@@ -49,6 +49,13 @@ def _temp_files() -> set[str]:
 # The GPU suite runs only where tests/gpu/run.sh names its model (a GPU host): CI has no GPU.
 collect_ignore = [] if os.environ.get("ACTORSERVE_GPU_MODEL") else ["gpu"]
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Slow tests first: handed out at the start, they run beside the many short ones on the
+    # other xdist worker instead of becoming the tail of the run.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 # Every test has a watchdog: a hang fails its test instead of stalling the whole run.
 __all__ = ["_timetrap"]
 

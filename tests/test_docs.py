@@ -161,8 +161,11 @@ def _flags_after(text: str, command: str) -> set[str]:
     return found
 
 
+_COMMANDS = ("run", "tree", "workers", "drain", "undrain", "release", "resume")
+
+
 @pytest.mark.parametrize(
-    ("command", "path"), [("run", ("run",)), ("tree", ("tree",)), ("scenario run", None)]
+    ("command", "path"), [*[(name, (name,)) for name in _COMMANDS], ("scenario run", None)]
 )
 def test_documented_flags_exist(command: str, path: tuple[str, ...] | None) -> None:
     if path is None:  # from its own package: the installed entry points may be older

@@ -1,4 +1,6 @@
-"""The ``actorserve`` command: ``run`` a root process, print a running root's ``tree``."""
+"""The ``actorserve`` command: ``run`` a root process, print a running root's ``tree``, and
+operate its workers through its control API (``workers``, ``drain``, ``undrain``, ``release``,
+``resume``)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ import attrs
 import structlog
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from actors.lowlevel import default_loop, run_on
 from actors.serving.errors import ServingError
 from actors.serving.root import (
     Budgets,
+    ControlApiClient,
+    ControlApiError,
     RootOptions,
     ServeConfig,
     find_control_socket,
@@ -26,6 +31,7 @@ from actors.serving.root import (
     token_file_of_this_root,
 )
 from actors.telemetry import configure_logging
+from protocols.engine import MemoryTag
 from supervisors import SupervisorRef, render_tree, snapshot_tree
 
 app = typer.Typer(
@@ -54,7 +60,7 @@ def _root(
         ),
     ] = False,
 ) -> None:
-    """actorserve: run, tree."""
+    """actorserve: run, tree, workers, drain, undrain, release, resume."""
 
 
 def _config_file_defaults(ctx: typer.Context, path: Path | None) -> Path | None:
@@ -71,9 +77,16 @@ def _config_file_defaults(ctx: typer.Context, path: Path | None) -> Path | None:
     return path
 
 
+# The options of `run` spelled as SGLang and vLLM spell them, whose config-file field is named
+# otherwise (`model` named the served model before `--model` named the weights).
+OPTION_FIELDS = {"model": "weights", "served_model_name": "model"}
+
+
 def _command_only(ctx: typer.Context) -> set[str]:
-    """The options of ``ctx``'s command that are no ``ServeConfig`` field."""
-    return {str(p.name) for p in ctx.command.params} - set(attrs.fields_dict(ServeConfig))
+    """The options of ``ctx``'s command that set no ``ServeConfig`` field."""
+    fields = attrs.fields_dict(ServeConfig)
+    names = {str(p.name) for p in ctx.command.params}
+    return {name for name in names if OPTION_FIELDS.get(name, name) not in fields}
 
 
 # Every option of `run` also comes from $ACTORSERVE_<NAME>, as $ACTORSERVE_DRAIN_BUDGET does.
@@ -87,7 +100,15 @@ def run(
         ),
     ] = None,
     model: Annotated[
-        str | None, typer.Option(help="Served model name (default: the backend's model).")
+        str | None,
+        typer.Option(
+            help="The weights to serve: a model folder (hf), a path or hub id (sglang), or a "
+            "packaged model's name (hf); the mock loads none."
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(help="The model name clients ask for (default: the backend's model)."),
     ] = None,
     backend: Annotated[
         str | None,
@@ -215,11 +236,19 @@ def run(
         float | None,
         typer.Option(help="Seconds a connection has to send a request's headers."),
     ] = None,
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(help="Trace requests (OpenTelemetry) to this OTLP/HTTP collector base URL."),
+    ] = None,
+    trace_sample_ratio: Annotated[
+        float | None,
+        typer.Option(min=0.0, max=1.0, help="Share of new traces kept, 0 to 1 (parent-based)."),
+    ] = None,
 ) -> None:
     """Start the root process: workers, request streams and the OpenAI-compatible API.
 
     With --backend sglang, SGLang's own flags follow a `--`, spelled as SGLang spells them
-    (`actorserve run --backend sglang -- --model-path M --tp 1`).
+    (`actorserve run --backend sglang --model M -- --tp 1`).
     """
     from actors.serving.root import Serving, load_config
 
@@ -229,7 +258,8 @@ def run(
         console.print(f"[red]bad logging option:[/red] {exc}")
         raise typer.Exit(2) from None
     overrides: dict[str, Any] = {
-        "model": model,
+        "model": served_model_name,
+        "weights": model,
         "kind": kind,
         "backend": backend,
         "image_dir": image_dir,
@@ -252,6 +282,8 @@ def run(
         "ssl_keyfile": ssl_keyfile,
         "max_body_bytes": max_body_bytes,
         "header_timeout": header_timeout,
+        "otlp_endpoint": otlp_endpoint,
+        "trace_sample_ratio": trace_sample_ratio,
     }
     try:
         loop = resolve_loop(loop)
@@ -386,23 +418,221 @@ def _with_engine_args(
     return attrs.evolve(cfg, **changes)
 
 
+# The options that find a running root come from the variables `run` reads too: an operator's
+# shell (or a `kubectl exec` into the root's container) finds the root's socket and token file.
+_ControlSocket = Annotated[
+    str,
+    typer.Option(
+        envvar="ACTORSERVE_CONTROL",
+        help="Path of the root's control socket (default: your one running root's).",
+    ),
+]
+_AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+# How asking a root fails: none runs, its socket or its API is gone, or it did not answer.
+_NO_ANSWER = (TimeoutError, RuntimeError, OSError, anyio.EndOfStream, ServingError)
+
+
 @app.command()
-def tree(
-    control: Annotated[str, typer.Option(help="Path of the root's control socket.")] = "",
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-) -> None:
+def tree(control: _ControlSocket = "", as_json: _AsJson = False) -> None:
     """Print the live supervision tree of a running root."""
     import json
 
     try:
         node = anyio.run(request_tree, control or find_control_socket())
-    except (TimeoutError, RuntimeError, OSError, anyio.EndOfStream, ServingError) as exc:
-        console.print(f"[red]no running root answered:[/red] {exc}")
+    except _NO_ANSWER as exc:
+        console.print(f"[red]no running root answered:[/red] {escape(str(exc))}")
         raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(attrs.asdict(node)))
     else:
         Console().print(render_tree(node))
+
+
+# -- the control API's commands ----------------------------------------------------------------
+
+_ControlApiUrl = Annotated[
+    str | None,
+    typer.Option(
+        envvar="ACTORSERVE_CONTROL_API_URL",
+        help="URL of the control API (default: asked of the root's control socket).",
+    ),
+]
+_ControlTokenFile = Annotated[
+    str | None,
+    typer.Option(
+        envvar="ACTORSERVE_CONTROL_TOKEN_FILE",
+        help="File holding the control API token (else $ACTORSERVE_CONTROL_TOKEN, else the "
+        "token file the root wrote).",
+    ),
+]
+_Worker = Annotated[
+    str, typer.Argument(metavar="WORKER", help="The worker, as `actorserve workers` names it.")
+]
+_MaybeWorker = Annotated[
+    str | None,
+    typer.Argument(metavar="WORKER", help="The worker, as `actorserve workers` names it."),
+]
+_Pool = Annotated[
+    str | None, typer.Option(help="A whole pool instead of one worker: prefill or decode.")
+]
+
+
+def _call_control_api(
+    address: tuple[str, str | None, str | None],
+    method: str,
+    endpoint: str,
+    body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The answer of the running root's control API at ``address`` (the control socket, the
+    API's URL, the token file); what goes wrong is printed and exits non-zero."""
+    control, url, token_file = address
+    try:
+        token = load_token(token_file)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]bad control token:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+
+    async def call() -> dict[str, Any]:
+        client = await ControlApiClient.connect(url, control or None, token)
+        return await client.call(method, endpoint, body)
+
+    try:
+        return anyio.run(call)
+    except ControlApiError as exc:
+        said = f"the control API refused ({exc.status})" if exc.status else "control API"
+        console.print(f"[red]{said}:[/red] {escape(str(exc))}")
+        raise typer.Exit(1) from None
+    except _NO_ANSWER as exc:
+        console.print(f"[red]no running root answered:[/red] {escape(str(exc))}")
+        raise typer.Exit(1) from None
+
+
+def _done(answer: dict[str, Any], as_json: bool, line: str) -> None:
+    import json
+
+    print(json.dumps(answer) if as_json else line)
+
+
+def _target(worker: str | None, pool: str | None) -> tuple[dict[str, str | None], str]:
+    """The worker or the pool, for the API's body and for a line that says what was done."""
+    if (worker is None) == (pool is None):
+        raise typer.BadParameter("name one: a WORKER or a --pool", param_hint="WORKER / --pool")
+    return {"worker": worker, "pool": pool}, worker or f"the {pool} pool"
+
+
+def _tags(tag: list[MemoryTag] | None) -> tuple[list[str], str]:
+    """The tags for the API's body, and for a line that says what was done."""
+    values = [t.value for t in tag or ()]
+    return values, f" ({', '.join(values)})" if values else ""
+
+
+@app.command()
+def workers(
+    control: _ControlSocket = "",
+    control_api_url: _ControlApiUrl = None,
+    control_token_file: _ControlTokenFile = None,
+    as_json: _AsJson = False,
+) -> None:
+    """List a running root's workers: state, role, released memory, routable."""
+    import json
+
+    from rich.table import Table
+
+    address = (control, control_api_url, control_token_file)
+    states: dict[str, dict[str, Any]] = _call_control_api(address, "GET", "workers")["result"]
+    if as_json:
+        print(json.dumps(states))
+        return
+    table = Table("worker", "state", "role", "released", "routable", box=None)
+    for worker, state in states.items():
+        routable = "-" if "routable" not in state else "yes" if state["routable"] else "no"
+        released = ", ".join(state.get("released", ())) or "-"
+        table.add_row(worker, state["state"], state.get("role", "-"), released, routable)
+    Console(markup=False).print(table)
+
+
+@app.command()
+def drain(
+    worker: _Worker,
+    handover: Annotated[
+        bool,
+        typer.Option(
+            help="Hand in-flight requests over to other workers (else they finish here, "
+            "within the drain budget)."
+        ),
+    ] = True,
+    live: Annotated[
+        bool, typer.Option(help="A decode worker's requests move with their KV cache.")
+    ] = True,
+    control: _ControlSocket = "",
+    control_api_url: _ControlApiUrl = None,
+    control_token_file: _ControlTokenFile = None,
+    as_json: _AsJson = False,
+) -> None:
+    """Take a worker out of routing and move (or finish) its in-flight requests."""
+    body = {"worker": worker, "handover": handover, "live": live}
+    address = (control, control_api_url, control_token_file)
+    _done(_call_control_api(address, "POST", "drain", body), as_json, f"drained {worker}")
+
+
+@app.command()
+def undrain(
+    worker: _Worker,
+    control: _ControlSocket = "",
+    control_api_url: _ControlApiUrl = None,
+    control_token_file: _ControlTokenFile = None,
+    as_json: _AsJson = False,
+) -> None:
+    """Put a drained worker back into routing."""
+    address = (control, control_api_url, control_token_file)
+    answer = _call_control_api(address, "POST", "undrain", {"worker": worker})
+    _done(answer, as_json, f"undrained {worker}")
+
+
+@app.command()
+def release(
+    worker: _MaybeWorker = None,
+    pool: _Pool = None,
+    tag: Annotated[
+        list[MemoryTag] | None,
+        typer.Option(help="Memory to release (repeatable; default: kv_cache and weights)."),
+    ] = None,
+    rolling: Annotated[
+        bool, typer.Option(help="Over a pool: one worker at a time, the others serving.")
+    ] = False,
+    control: _ControlSocket = "",
+    control_api_url: _ControlApiUrl = None,
+    control_token_file: _ControlTokenFile = None,
+    as_json: _AsJson = False,
+) -> None:
+    """Release a worker's (or a pool's) GPU memory, its requests moved to other workers first."""
+    target, name = _target(worker, pool)
+    tags, said = _tags(tag)
+    body = {**target, "tags": tags, "rolling": rolling}
+    address = (control, control_api_url, control_token_file)
+    answer = _call_control_api(address, "POST", "release", body)
+    _done(answer, as_json, f"released {name}{said}")
+
+
+@app.command()
+def resume(
+    worker: _MaybeWorker = None,
+    pool: _Pool = None,
+    tag: Annotated[
+        list[MemoryTag] | None,
+        typer.Option(help="Memory to resume (repeatable; default: all that was released)."),
+    ] = None,
+    control: _ControlSocket = "",
+    control_api_url: _ControlApiUrl = None,
+    control_token_file: _ControlTokenFile = None,
+    as_json: _AsJson = False,
+) -> None:
+    """Resume released memory; the worker serves again once all of it is back."""
+    target, name = _target(worker, pool)
+    tags, said = _tags(tag)
+    address = (control, control_api_url, control_token_file)
+    answer = _call_control_api(address, "POST", "resume", {**target, "tags": tags})
+    _done(answer, as_json, f"resumed {name}{said}")
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ sub-package, so every layer of the application may import it. The hierarchy (a c
 the nearest less indented one above it)::
 
     ServingError ...................... an error of the serving application itself
+        ControlApiError ............... a call to a root's control API failed
         HealthCheckFailed ............. a worker failed its canaries in a row
         InjectedCrash ................. a fault injected into an engine actor (scenarios)
         LifecycleError ................ a drain, release or resume failed; a ReplyError too
@@ -16,8 +17,9 @@ the nearest less indented one above it)::
         UnknownBackend ................ no engine backend of that name; a ValueError too
 
 The sub-packages that raise them re-export them: ``worker`` (``HealthCheckFailed``,
-``UnknownBackend``), ``root`` (``LifecycleError``, ``RunDirError``), ``kv`` (``NixlError``),
-``engines`` (``ModelPackageMissing``, ``MockEngineBusy``, ``SGLangRequiresAsyncio``).
+``UnknownBackend``), ``root`` (``ControlApiError``, ``LifecycleError``, ``RunDirError``), ``kv``
+(``NixlError``), ``engines`` (``ModelPackageMissing``, ``MockEngineBusy``,
+``SGLangRequiresAsyncio``).
 
 An error that ends one request is no ``ServingError`` but a
 :class:`protocols.errors.RequestError`, whose tree :mod:`protocols.errors` draws; the application
@@ -39,6 +41,7 @@ from __future__ import annotations
 from actors import ReplyError
 
 __all__ = [
+    "ControlApiError",
     "HealthCheckFailed",
     "InjectedCrash",
     "LifecycleError",
@@ -54,6 +57,15 @@ __all__ = [
 
 class ServingError(Exception):
     """Base of the serving application's own errors (not of those that end one request)."""
+
+
+class ControlApiError(ServingError):
+    """A root's control API could not be reached or refused a call (``status``: its HTTP
+    status; 0 when no answer came); the message is the API's own."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        self.status = status
+        super().__init__(message)
 
 
 class HealthCheckFailed(ServingError):

@@ -96,6 +96,7 @@ async def serving_tree(
     options = RootOptions(budgets=budgets or Budgets(grace=0.0, release_grace=0.0, drain=10.0))
     children = serving_children(serving, options, lambda: None)
     async with open_supervisor(children, SupervisorFlags(intensity=10, period=60)) as root:
+        serving.root = root
         tree = Tree(root, serving)
         await tree.wait_ready(timeout=ready_timeout)
         yield tree

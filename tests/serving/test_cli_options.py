@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import actors.serving.root
-from actors.serving import ServeConfig, cli
+from actors.serving import ModelConfig, ServeConfig, cli
 
 
 @pytest.fixture
@@ -135,3 +135,48 @@ def test_kinds_and_more_models_from_the_flags_and_the_file(
     unserved = CliRunner().invoke(cli.app, ["run", "--backend", "hf", "--kind", "dllm"])
     assert unserved.exit_code == 2
     assert "serves chat, embedding, image models, not dllm" in unserved.output
+
+
+def test_model_names_the_weights_and_served_model_name_the_name(
+    started: dict[str, Any], tmp_path: Path
+) -> None:
+    _run("--backend", "sglang", "--model", "org/m")
+    config = started["config"]
+    assert (config.model, config.engine_args) == ("org/m", {"model_path": "org/m"})  # SGLang's
+    _run("--backend", "sglang", "--model", "org/m", env={"ACTORSERVE_SERVED_MODEL_NAME": "foo"})
+    config = started["config"]
+    assert (config.model, config.engine_args) == ("foo", {"model_path": "org/m"})
+    path = tmp_path / "serve.toml"
+    path.write_text("backend = 'sglang'\nweights = 'org/m'\nmodel = 'bar'\n")
+    _run("--config", str(path), "--backend", "sglang")
+    config = started["config"]
+    assert (config.model, config.engine_args) == ("bar", {"model_path": "org/m"})
+    _run("--config", str(path), "--backend", "sglang", "--served-model-name", "baz")
+    assert started["config"].model == "baz"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "m"], "the mock backend loads no weights"),
+        (["--backend", "hf", "--model", "/no/such/model"], "no such folder"),
+        (
+            ["--backend", "sglang", "--model", "a", "--engine-arg", "model_path=b"],
+            "weights 'a' and engine_args model_path name other weights",
+        ),
+    ],
+)
+def test_weights_the_backend_cannot_load_are_refused(
+    started: dict[str, Any], args: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(cli.app, ["run", "--backend", "mock", *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_hf_loads_a_folder_or_its_packaged_model_by_name(tmp_path: Path) -> None:
+    folder = ModelConfig(backend="hf", weights=str(tmp_path))
+    assert folder.engine_args == {"model_dir": str(tmp_path)}
+    assert folder.model == str(tmp_path)  # served under the name it was given, as vLLM does
+    packaged = ModelConfig(backend="hf", kind="embedding", weights="all-minilm-l6-v2")
+    assert (packaged.model, packaged.engine_args) == ("all-minilm-l6-v2", {})

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP frontend.
 
 ``create_app(backend, registry)`` builds the ASGI app (chat and text completions, streaming or
-not, embeddings, image generation, ``/v1/models``, ``/health``, ``/live``, ``/metrics``);
+not, embeddings, image generation, ``/v1/models``, ``/health``, ``/live``, ``/metrics``, and
+with a :class:`Dashboard` the live supervision tree on ``/dashboard``);
 ``serve(app)`` serves it (uvicorn on asyncio, hypercorn on trio). The :class:`Backend` protocol
 is the seam to whatever runs the requests (the router and request-stream actors);
 :class:`ModelInfo` describes a served model and its :class:`Tokenizer` (:class:`ByteTokenizer` for
@@ -17,6 +18,7 @@ from actors.serving.frontend._backend import (
     WorkerHealth,
     WorkerState,
 )
+from actors.serving.frontend._dashboard import Dashboard, DashboardSource, WorkerLoad
 from actors.serving.frontend._images import ImageStore
 from actors.serving.frontend._metrics import FrontendMetrics
 from actors.serving.frontend._parsers import (
@@ -37,6 +39,8 @@ __all__ = [
     "ApiKeys",
     "Backend",
     "ByteTokenizer",
+    "Dashboard",
+    "DashboardSource",
     "Detokenizer",
     "FrontendMetrics",
     "HFTokenizer",
@@ -46,6 +50,7 @@ __all__ = [
     "TlsFiles",
     "Tokenizer",
     "WorkerHealth",
+    "WorkerLoad",
     "WorkerState",
     "check_parser_names",
     "create_app",

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from actors.tracing import attach_headers, detach, tracer
 from protocols.engine import EngineOutput, ModelKind, PreprocessedRequest
 from protocols.errors import (
     InvalidRequest,
@@ -31,6 +32,7 @@ from ._auth import ApiKeys
 from ._backend import Backend, ModelInfo
 from ._choices import Part, best, choice_parts, pump, usage_of
 from ._chunks import DONE_FRAME, ChatRenderer, CompletionRenderer, error_frame
+from ._dashboard import DASHBOARD_PATH, EVENTS_PATH, Dashboard
 from ._door import Door, GenerationRoute
 from ._embeddings import (
     EMBEDDINGS_PATH,
@@ -135,6 +137,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_keys: ApiKeys | None = None,
     images: ImageStore | None = None,
+    dashboard: Dashboard | None = None,
 ) -> FastAPI:
     """The frontend's ASGI app for ``backend``.
 
@@ -146,7 +149,8 @@ def create_app(
     SGLang's servers, because the ping task costs about as much CPU per stream as the rest of the
     SSE machinery. With ``api_keys``, the requests that need a key and carry none of them get a
     401 (see :mod:`._auth`). Images asked for as ``url`` are written to ``images`` (by default a
-    folder in the user's cache).
+    folder in the user's cache). With ``dashboard``, ``/dashboard`` serves the live supervision
+    tree (see :mod:`._dashboard`).
     """
     frontend = _Frontend(backend, registry, max_inflight, retry_after_s, ping_interval_s)
     frontend.image_store = images or ImageStore(DEFAULT_IMAGE_DIR)
@@ -190,6 +194,9 @@ def create_app(
     )
     app.add_api_route("/live", ops.live, methods=["GET"], response_class=Response)
     app.add_api_route("/metrics", ops.metrics, methods=["GET"], response_class=Response)
+    if dashboard is not None:
+        app.add_route(DASHBOARD_PATH, dashboard.page, include_in_schema=False)
+        app.add_route(EVENTS_PATH, dashboard.events, include_in_schema=False)
     app.add_exception_handler(HTTPException, _on_http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(RequestError, frontend.on_request_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, internal_error_handler)
@@ -227,6 +234,8 @@ class _App(FastAPI):
         request_id = request_id_of(scope)
         echo = (b"x-request-id", request_id)
         tokens = structlog.contextvars.bind_contextvars(request_id=request_id.decode())
+        # While tracing: the client's traceparent, the parent of the request's spans.
+        trace_token = None if tracer() is None else attach_headers(scope["headers"])
         try:
             if self.api_keys is not None:
                 refusal = self.api_keys.refusal(scope)
@@ -243,6 +252,8 @@ class _App(FastAPI):
             # The server may serve its next request in this task: nothing of this one stays.
             structlog.contextvars.reset_contextvars(**tokens)
             structlog.contextvars.unbind_contextvars("rid")
+            if trace_token is not None:
+                detach(trace_token)
 
     def openapi(self) -> dict[str, Any]:
         """FastAPI's schema, with the door's routes in it, whose request bodies are their models'

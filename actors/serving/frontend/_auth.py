@@ -1,6 +1,8 @@
 """API keys: the OpenAI endpoints (``/v1/...``) take a request only with ``Authorization: Bearer
-<key>`` naming one of the keys, as OpenAI's own API does; ``/live``, ``/health`` and ``/metrics``
-are open unless named in ``protects`` (probes and scrapers then send the key too).
+<key>`` naming one of the keys, as OpenAI's own API does, and so does the dashboard's data
+(``/dashboard/events``: the tree, the workers and their load are operational detail; the page
+itself holds no data, so a browser loads it and sends the key it is given). ``/live``, ``/health``
+and ``/metrics`` are open unless named in ``protects`` (probes and scrapers then send the key too).
 
 The check runs once per request, before routing and before the body is read, so a client without
 a key costs neither a body read nor a validation.
@@ -61,7 +63,9 @@ class ApiKeys:
         root: str = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :]  # a mounted app's paths are its own
-        if not (path.startswith("/v1/") or path == "/v1" or path in self._protected):
+        if not (
+            path.startswith(("/v1/", "/dashboard/")) or path == "/v1" or path in self._protected
+        ):
             return None
         for name, value in scope["headers"]:
             if name == b"authorization":

@@ -27,6 +27,7 @@ from actors.serving.requests._metrics import (
     MIGRATION_SECONDS,
     PROMPT_TOKENS,
 )
+from actors.serving.requests._trace import AttemptTrace, RequestTrace
 from actors.serving.routing import Routed
 from protocols.engine import BootstrapInfo, EngineOutput, ModelKind, PreprocessedRequest, Usage
 from protocols.errors import (
@@ -52,10 +53,21 @@ class Handover:
 class Progress:
     """What one request produced so far, across its attempts."""
 
-    __slots__ = ("deadline", "failed_at", "generated", "live", "migration_type", "original")
+    __slots__ = (
+        "deadline",
+        "failed_at",
+        "generated",
+        "live",
+        "migration_type",
+        "original",
+        "trace",
+    )
 
-    def __init__(self, original: PreprocessedRequest, deadline: float) -> None:
+    def __init__(
+        self, original: PreprocessedRequest, deadline: float, trace: RequestTrace | None = None
+    ) -> None:
         self.original = original
+        self.trace = trace  # the request's span, while tracing is on
         self.deadline = deadline  # time.monotonic() past which the request times out
         self.generated: list[int] = []
         # A draining worker's offer of this request's KV, until an attempt took it (or it is
@@ -86,6 +98,7 @@ class Attempt:
         "progress",
         "request",
         "routed",
+        "trace",
     )
 
     def __init__(
@@ -100,6 +113,7 @@ class Attempt:
         request_timeout: float,
         owner: ActorRef[Any] | None = None,
         kind: ModelKind = "chat",
+        trace: AttemptTrace | None = None,
     ) -> None:
         self.routed = routed
         self.request = request
@@ -112,6 +126,7 @@ class Attempt:
         self._timeout = request_timeout
         self._owner = owner  # the request stream, told of an offer (:class:`Prepare`)
         self._blocks = kind == "dllm"  # every output is a block: an empty one is an error
+        self.trace = trace  # this attempt's span, while tracing is on (the actor ends it)
 
     async def receive(self) -> EngineOutput:
         """The next output for the client (empty ones are skipped, or fail: see the module)."""
@@ -172,6 +187,9 @@ class Attempt:
             output = _drop_repeated(output, progress.generated)
             LIVE_MIGRATIONS.labels(self._model, "success").inc()
             progress.live = None
+        trace = progress.trace
+        if trace is not None and not progress.generated and output.token_ids:
+            trace.first_token()
         progress.generated.extend(output.token_ids)
         if output.finish_reason is not None:
             self.finished = True
@@ -180,7 +198,10 @@ class Attempt:
                 worker = self.routed.worker_id
                 PROMPT_TOKENS.labels(worker).inc(usage.prompt_tokens)
                 CACHED_TOKENS.labels(worker).inc(usage.cached_tokens)
-            return _final(output, progress.original, progress.generated)
+            final = _final(output, progress.original, progress.generated)
+            if trace is not None:
+                trace.finished(final)
+            return final
         # An image engine's progress (a denoising step done) carries no tokens but is news.
         return output if output.token_ids or output.step is not None else None
 

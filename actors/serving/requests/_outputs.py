@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import structlog
@@ -24,9 +24,13 @@ from actors import ActorError, ActorRef, AskTimeout, Call
 from actors.serving.requests._admission import Admission
 from actors.serving.requests._attempt import Attempt
 from actors.serving.routing import RoutingTable
+from actors.tracing import current_context, tracer
 from protocols.engine import EngineOutput, PreprocessedRequest
 from protocols.errors import NoWorkerAvailable, RequestError, RequestTimeout
 from supervisors import SupervisorRef
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
 
 __all__ = ["Finish", "NextAttempt", "RequestOutputs", "open_request"]
 
@@ -93,6 +97,7 @@ class RequestOutputs:
         "log_context",
         "owner",
         "request",
+        "trace_start",
     )
 
     def __init__(
@@ -113,6 +118,11 @@ class RequestOutputs:
         self._closed = False
         # The caller's structlog context (the request's id), for the stream actor's lines.
         self.log_context = structlog.contextvars.get_contextvars()
+        # While tracing: the caller's trace context (the client's) and the admission time, which
+        # the stream actor's span of the request starts from.
+        self.trace_start: tuple[Context, int] | None = (
+            None if tracer() is None else (current_context(), time.time_ns())
+        )
 
     async def _start(self) -> Attempt:
         # The actor starts with the request in its mailbox: it routes and sends it to the

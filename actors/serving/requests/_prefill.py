@@ -15,29 +15,37 @@ is set: by the consumer after that first output, or by the actor when the attemp
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from actors import ActorError, ActorRef, ReplyStream
 from actors.serving.requests._attempt import Attempt, Progress, without_first
+from actors.serving.requests._trace import AttemptTrace
 from actors.serving.routing import Routed
 from protocols.engine import EngineOutput, ModelKind, PreprocessedRequest
 from protocols.errors import InvalidRequest, KVTransferError, RequestError
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 __all__ = ["Prefill", "PrefillFirstAttempt"]
 
 
 class Prefill:
     """An attempt's prefill: its worker and stream, and ``read`` once the consumer is done with
-    the stream (the actor drains it from then on)."""
+    the stream (the actor drains it from then on); ``span`` while tracing is on (the drain ends
+    it)."""
 
-    __slots__ = ("outputs", "read", "routed")
+    __slots__ = ("outputs", "read", "routed", "span")
 
-    def __init__(self, routed: Routed, outputs: ReplyStream[EngineOutput]) -> None:
+    def __init__(
+        self, routed: Routed, outputs: ReplyStream[EngineOutput], span: Span | None = None
+    ) -> None:
         self.routed = routed
         self.outputs = outputs
         self.read = anyio.Event()
+        self.span = span
 
 
 class PrefillFirstAttempt(Attempt):
@@ -58,6 +66,7 @@ class PrefillFirstAttempt(Attempt):
         request_timeout: float,
         owner: ActorRef[Any] | None = None,
         kind: ModelKind = "chat",
+        trace: AttemptTrace | None = None,
     ) -> None:
         super().__init__(
             routed,
@@ -69,6 +78,7 @@ class PrefillFirstAttempt(Attempt):
             request_timeout=request_timeout,
             owner=owner,
             kind=kind,
+            trace=trace,
         )
         self.prefill: Prefill | None = prefill  # until its first output was read
         self._repeat: int | None = None  # the token the decode's first output repeats
@@ -92,6 +102,8 @@ class PrefillFirstAttempt(Attempt):
             self._repeat = None
             if not output.token_ids or output.token_ids[0] != repeat:
                 raise KVTransferError("decode did not resume from the prefill's first token")
+            if self.trace is not None:
+                self.trace.kv_transferred()
             output = without_first(output)
         return super().accept(output)
 
@@ -122,6 +134,8 @@ class PrefillFirstAttempt(Attempt):
             return None
         token = output.token_ids[0]
         self._repeat = token
+        if self.trace is not None:
+            self.trace.kv_transfer()
         # The prefill's finish (it ran one step) and bootstrap triple are its own, not the
         # client's: the decode's outputs say how the request goes on and ends.
         logprobs = None if output.logprobs is None else output.logprobs[:1]

@@ -45,7 +45,9 @@ from actors.serving.requests._metrics import (
 )
 from actors.serving.requests._outputs import Finish, NextAttempt, RequestOutputs
 from actors.serving.requests._prefill import Prefill, PrefillFirstAttempt
+from actors.serving.requests._trace import AttemptTrace, RequestTrace, end_span
 from actors.serving.routing import Policy, Role, Routed, RoutingTable
+from actors.tracing import tracer
 from protocols import control
 from protocols.engine import EngineOutput, ModelKind, PreprocessedRequest
 from protocols.errors import (
@@ -127,14 +129,28 @@ class RequestStream(Actor):
         structlog.contextvars.bind_contextvars(
             **{**outputs.log_context, "rid": outputs.request.rid}
         )
+        deadline = outputs.deadline = time.monotonic() + self.options.request_timeout
+        self._progress = Progress(outputs.request, deadline, self._trace(outputs))
         if outputs.closed:  # it gave up before we ran
             self._finish(cancelled=True)
             raise ReplyError("the request was cancelled before it started")
-        deadline = outputs.deadline = time.monotonic() + self.options.request_timeout
-        self._progress = Progress(outputs.request, deadline)
 
-    def _finish(self, cancelled: bool) -> None:
-        """The request is over: free what it holds, then stop."""
+    def _trace(self, outputs: RequestOutputs) -> RequestTrace | None:
+        """The request's span, while tracing is on (from its admission, under the client's)."""
+        start, active = outputs.trace_start, tracer()
+        if start is None or active is None:
+            return None
+        request_id = outputs.log_context.get("request_id")
+        return RequestTrace(
+            active,
+            *start,
+            outputs.request,
+            model=self.options.model,
+            request_id=request_id if isinstance(request_id, str) else None,
+        )
+
+    def _finish(self, cancelled: bool, error: RequestError | None = None) -> None:
+        """The request is over (``error`` ended it): free what it holds, then stop."""
         if self._ended:
             return
         self._ended = True
@@ -149,6 +165,8 @@ class RequestStream(Actor):
         if prepared is not None:
             self._drop(prepared[1])
             self._release(prepared[0])
+        if progress is not None and progress.trace is not None:
+            progress.trace.end(error, cancelled=cancelled)
         self.stop()
 
     def _end_attempt(self) -> None:
@@ -161,6 +179,24 @@ class RequestStream(Actor):
         if isinstance(attempt, PrefillFirstAttempt):
             attempt.release_prefill()  # unread: drained by its task
         self._done(attempt.routed)
+        self._end_trace(attempt, None)
+
+    def _end_trace(self, attempt: Attempt, error: BaseException | None) -> None:
+        """End ``attempt``'s span (once: the first end says how it ended)."""
+        trace, attempt.trace = attempt.trace, None
+        if trace is not None:
+            trace.end(error)
+
+    def _attempt_trace(
+        self, request: PreprocessedRequest, *, prepared: bool = False
+    ) -> tuple[AttemptTrace | None, PreprocessedRequest]:
+        """A new attempt's span while tracing, and ``request`` carrying it to the engine."""
+        progress = self._progress
+        assert progress is not None
+        if progress.trace is None:
+            return None, request
+        trace = progress.trace.attempt(request, prepared=prepared)
+        return trace, trace.carry(request)
 
     def _prepare(self, offer: Handover, generated: list[int]) -> None:
         """Send the continuation from ``offer``'s KV to the next decode worker now: it admits
@@ -179,12 +215,17 @@ class RequestStream(Actor):
             routed = self._take("decode", request, (offer.source.worker_id,))
         except NoWorkerAvailable:
             return
+        trace, request = self._attempt_trace(request, prepared=True)
+        if trace is not None:
+            trace.routed(routed.worker_id, self._role())
         try:
             outputs = routed.engine.stream(request, buffer=self.options.buffer)
-        except ActorError:
+        except ActorError as exc:
+            if trace is not None:
+                trace.end(exc)
             self._done(routed)
             return
-        self._prepared = (offer, self._new_attempt(routed, request, outputs, None))
+        self._prepared = (offer, self._new_attempt(routed, request, outputs, None, trace))
 
     def _ready(self, request: PreprocessedRequest) -> Attempt | None:
         """The prepared attempt, if it is the live migration ``request`` (else it is closed)."""
@@ -209,11 +250,13 @@ class RequestStream(Actor):
         ended with ``exc``. Raises the request's terminal error, and stops, if there is none."""
         progress = self._progress
         assert progress is not None and not self._ended
+        error = None if exc is None else _typed(exc)
+        if failed is not None:
+            self._end_trace(failed, error)
         self._end_attempt()
         routed = failed.routed if failed is not None else None
         offer = failed.offer if failed is not None else None
         request = failed.request if failed is not None else progress.original
-        error = None if exc is None else _typed(exc)
         try:
             while True:
                 if error is not None:
@@ -223,8 +266,11 @@ class RequestStream(Actor):
                         self._attempt = ready
                         return ready
                 routed = offer = prefill = None
+                trace, request = self._attempt_trace(request)
                 try:
-                    routed, request, prefill = await self._route_request(request)
+                    routed, request, prefill = await self._route_request(request, trace)
+                    if trace is not None:
+                        trace.routed(routed.worker_id, self._role())
                     outputs = routed.engine.stream(request, buffer=self.options.buffer)
                 except (RequestError, ActorError) as route_exc:
                     if routed is not None:
@@ -232,16 +278,20 @@ class RequestStream(Actor):
                     if prefill is not None:
                         self._drain(prefill, request.rid, read=True)
                     error = _typed(route_exc)
+                    if trace is not None:
+                        trace.end(error)
                     continue
                 if prefill is not None:
                     # After both sends: starting a task is the costliest step here.
                     self._drain(prefill, request.rid, read=request.stop_conditions.max_tokens == 0)
                     if prefill.read.is_set():
                         prefill = None
-                attempt = self._attempt = self._new_attempt(routed, request, outputs, prefill)
+                attempt = self._attempt = self._new_attempt(
+                    routed, request, outputs, prefill, trace
+                )
                 return attempt
-        except RequestError:
-            self._finish(cancelled=False)
+        except RequestError as terminal:
+            self._finish(cancelled=False, error=terminal)
             raise
 
     def _new_attempt(
@@ -250,6 +300,7 @@ class RequestStream(Actor):
         request: PreprocessedRequest,
         outputs: ReplyStream[EngineOutput],
         prefill: Prefill | None,
+        trace: AttemptTrace | None,
     ) -> Attempt:
         progress = self._progress
         assert progress is not None
@@ -267,7 +318,12 @@ class RequestStream(Actor):
             request_timeout=opts.request_timeout,
             owner=self.ref,
             kind=opts.kind,
+            trace=trace,
         )
+
+    def _role(self) -> Role:
+        """The role of the worker an attempt streams from."""
+        return "decode" if self.options.disaggregated else "aggregated"
 
     def _migration(
         self,
@@ -287,6 +343,8 @@ class RequestStream(Actor):
             # ...): the same migration goes on as a token replay.
             LIVE_MIGRATIONS.labels(opts.model, "fallback").inc()
             _log.info("live migration failed", error=error.code)
+            if progress.trace is not None:
+                progress.trace.fallback(error)
             self._release(progress.live)
             progress.live = None
             return continuation(original, generated, f"{request.rid}r")
@@ -314,29 +372,31 @@ class RequestStream(Actor):
             # release hands a request over twice); the routing view already skips workers that
             # are dead, draining or unhealthy.
             self._excluded = (routed.worker_id,)
-        _log.info(
-            "migrating request",
-            worker=routed.worker_id if routed else None,
-            error=error.code,
-            generated=len(generated),
-        )
+        worker = routed.worker_id if routed else None
+        _log.info("migrating request", worker=worker, error=error.code, generated=len(generated))
+        if progress.trace is not None:
+            live = progress.live is not None
+            progress.trace.migration(error, worker, len(generated), live=live)
         rid = f"{original.rid}-m{opts.migration_limit - self._migrations_left}"
         if progress.live is not None:
             return continuation(original, generated[:-1], rid, progress.live.bootstrap)
         return continuation(original, generated, rid)
 
     async def _route_request(
-        self, request: PreprocessedRequest
+        self, request: PreprocessedRequest, trace: AttemptTrace | None
     ) -> tuple[Routed, PreprocessedRequest, Prefill | None]:
         """The worker for the next attempt, the request to send it and, disaggregated, the
-        prefill whose first output is the client's first token (sent already)."""
+        prefill whose first output is the client's first token (sent already, under
+        ``trace``)."""
         progress = self._progress
         assert progress is not None
         if progress.live is not None:  # continue from the handed-over KV
             return self._take("decode", request, self._excluded), request, None
         retrying = progress.failed_at is not None
         if self.options.disaggregated:
-            return await self._dispatch_prefill(request, progress.deadline, retrying=retrying)
+            return await self._dispatch_prefill(
+                request, progress.deadline, retrying=retrying, trace=trace
+            )
         routed = await self._route("aggregated", request, progress.deadline, retrying=retrying)
         return routed, request, None
 
@@ -371,7 +431,12 @@ class RequestStream(Actor):
                 exclude = ()
 
     async def _dispatch_prefill(
-        self, request: PreprocessedRequest, deadline: float, *, retrying: bool
+        self,
+        request: PreprocessedRequest,
+        deadline: float,
+        *,
+        retrying: bool,
+        trace: AttemptTrace | None,
     ) -> tuple[Routed, PreprocessedRequest, Prefill | None]:
         """Disaggregated: pick a decode and a prefill worker, send the prefill its request with a
         fresh room and return the decode side's routing and request (sent by the caller at once:
@@ -407,6 +472,9 @@ class RequestStream(Actor):
             request, bootstrap_info=boot, stop_conditions=prefill_stop
         )
         decode_request = msgspec.structs.replace(request, bootstrap_info=boot)
+        span = None
+        if trace is not None:
+            span, prefill_request = trace.prefill(routed.worker_id, prefill_request)
         try:
             # Sent here, not from the task below: the prefill (the first step of the client's
             # time to first token) goes out with the decode request, a task switch sooner.
@@ -415,9 +483,11 @@ class RequestStream(Actor):
             _log.info(
                 "prefill failed", attempt=request.rid, worker=routed.worker_id, error=str(exc)
             )
+            if span is not None:
+                end_span(span, exc)
             self._done(routed)
             return decode, decode_request, None
-        return decode, decode_request, Prefill(routed, outputs)
+        return decode, decode_request, Prefill(routed, outputs, span)
 
     def _drain(self, prefill: Prefill, rid: str, *, read: bool) -> None:
         """Start draining ``prefill`` (once its consumer read it, unless ``read``: it never
@@ -431,15 +501,19 @@ class RequestStream(Actor):
         KV transfer reached a terminal state. A failure here surfaces on the decode side as a
         (migratable) KV transfer error."""
         routed = prefill.routed
+        error: BaseException | None = None
         try:
             async with prefill.outputs as outputs:
                 await prefill.read.wait()
                 async for _ in outputs:
                     pass
         except (RequestError, ActorError) as exc:
+            error = exc
             _log.info("prefill failed", attempt=rid, worker=routed.worker_id, error=str(exc))
         finally:
             self._done(routed)
+            if prefill.span is not None:
+                end_span(prefill.span, error)
 
     def _release(self, offer: Handover) -> None:
         """Tell the draining worker to free the KV it kept for us (once its room is terminal;

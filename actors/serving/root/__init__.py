@@ -3,7 +3,7 @@
 :func:`build_tree` makes the serving tree for a :class:`ServeConfig`; :func:`run_root` runs it
 under signal handling and the staged shutdown; :class:`Lifecycle` drains, releases and resumes
 workers; :class:`ControlServer` and :class:`ControlApi` are the local control socket and the
-token-protected HTTP control API.
+token-protected HTTP control API, which :class:`ControlApiClient` calls.
 """
 
 from actors.serving.root._config import (
@@ -15,6 +15,7 @@ from actors.serving.root._config import (
 )
 from actors.serving.root._control import ControlServer, find_control_socket, request_tree
 from actors.serving.root._control_api import ControlApi, control_app, load_token
+from actors.serving.root._control_client import ControlApiClient, ControlApiError
 from actors.serving.root._lifecycle import (
     Budgets,
     DrainWorker,
@@ -34,6 +35,8 @@ __all__ = [
     "DEFAULT_MODEL_NAMES",
     "Budgets",
     "ControlApi",
+    "ControlApiClient",
+    "ControlApiError",
     "ControlServer",
     "DrainWorker",
     "Frontend",

@@ -18,6 +18,7 @@ from actors.serving.frontend import (
     check_parser_names,
 )
 from actors.serving.worker import BACKENDS, BackendName, engine_backend
+from actors.tracing import check_installed, check_sample_ratio
 from protocols.engine import ModelKind
 
 __all__ = [
@@ -45,11 +46,14 @@ class ModelConfig:
     ``engine_args`` pass through untouched to the backend: the mock's ``MockEngineConfig``
     fields, the HF engines' config fields, or SGLang's server arguments. ``model`` is the name
     clients ask for; empty means the backend's default for the kind (``DEFAULT_MODEL_NAMES``).
+    ``weights`` is what the engines load (a path, or a name the backend knows), set into
+    ``engine_args`` as the backend's own arg for it (hf: ``model_dir``; sglang: ``model_path``).
     ``kind`` is what it serves (chat and completions, embeddings, images, or chat from a
     block-diffusion model); embedding and image models are served aggregated.
     """
 
     model: str = ""
+    weights: str | None = None
     kind: ModelKind = "chat"
     backend: BackendName = "hf"
     mode: Literal["aggregated", "disaggregated"] = "disaggregated"
@@ -86,6 +90,8 @@ class ModelConfig:
         if self.kind in ("embedding", "image") and self.mode != "aggregated":
             # Nothing to hand over between a prefill and a decode step: one forward answers.
             object.__setattr__(self, "mode", "aggregated")
+        if self.weights is not None:
+            self._load_weights(self.weights)
         if not self.model:
             # Frozen: the resolved default is set once, here, like any other field's value.
             object.__setattr__(self, "model", self.default_model())
@@ -99,9 +105,21 @@ class ModelConfig:
             raise ValueError("quarantine_cooldown must be >= 0")
         check_parser_names(self.tool_call_parser, self.reasoning_parser)
 
+    def _load_weights(self, weights: str) -> None:
+        loaded = engine_backend(self.backend).weights_args(weights, self.kind)
+        clash = sorted(k for k, v in loaded.items() if self.engine_args.get(k, v) != v)
+        if clash:
+            raise ValueError(f"weights {weights!r} and engine_args {clash[0]} name other weights")
+        # Into the engine args, before the served name's default is read from them (SGLang's).
+        object.__setattr__(self, "engine_args", {**self.engine_args, **loaded})
+
     def default_model(self) -> str:
-        """The served model's name when none is configured: the backend's, from the args."""
-        return engine_backend(self.backend).served_model(self.engine_args, self.kind)
+        """The served model's name when none is configured: the one the engine args give
+        (SGLang's rule), else the weights as given (vLLM's), else the backend's for the kind."""
+        backend = engine_backend(self.backend)
+        if self.weights and not any(self.engine_args.get(k) for k in backend.model_args):
+            return self.weights
+        return backend.served_model(self.engine_args, self.kind)
 
 
 @attrs.frozen
@@ -130,9 +148,16 @@ class ServeConfig(ModelConfig):
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     # Where images asked for as ``url`` are written (an fsspec URL; a plain path is local).
     image_dir: str = DEFAULT_IMAGE_DIR
+    # Tracing (OpenTelemetry): on with a collector's OTLP/HTTP base URL; the share of traces
+    # started here that are kept (a client's sampled traceparent is followed).
+    otlp_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        check_sample_ratio(self.trace_sample_ratio)
+        if self.otlp_endpoint:
+            check_installed()
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
         if self.api_key_protects and not (self.api_key or self.api_key_file):

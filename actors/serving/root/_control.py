@@ -1,4 +1,5 @@
-"""The root's local control socket: ``actorserve tree`` asks a running root for its tree.
+"""The root's local control socket: ``actorserve tree`` asks a running root for its tree, and
+``actorserve workers`` (and the other control commands) where its control API listens.
 
 A Unix stream socket in the root's private run directory (never a network address), mode 0600;
 one msgpack request and one msgpack reply per connection, each behind a 4-byte length. The accept
@@ -20,11 +21,11 @@ import attrs
 import msgspec
 import structlog
 
-from actors import Actor
+from actors import Actor, ActorError
 from actors.serving.root._rundir import RunDirError, live_control_sockets
 from supervisors import SupervisorRef, TreeNode, snapshot_tree
 
-__all__ = ["ControlServer", "find_control_socket", "request_tree"]
+__all__ = ["ControlServer", "find_control_socket", "request_control_api", "request_tree"]
 
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _MAX_MESSAGE = 1 << 20
@@ -62,11 +63,21 @@ async def _receive(stream: anyio.abc.ByteReceiveStream) -> Any:
 
 
 class ControlServer(Actor):
-    """Answers ``{"op": "tree"}`` with the live tree of ``root``."""
+    """Answers ``{"op": "tree"}`` with the live tree of ``root``, and ``{"op": "control_api"}``
+    with the URL of its control API (served on ``api_host`` by the ``control-api`` child) and the
+    file of the token the root made (``None`` when it was given one)."""
 
-    def __init__(self, root: SupervisorRef, path: str) -> None:
+    def __init__(
+        self,
+        root: SupervisorRef,
+        path: str,
+        api_host: str | None = None,
+        token_file: str | None = None,
+    ) -> None:
         self.root = root
         self.path = path
+        self.api_host = api_host
+        self.token_file = token_file
 
     async def started(self) -> None:
         if len(os.fsencode(self.path)) > _MAX_SOCKET_PATH:
@@ -107,8 +118,11 @@ class ControlServer(Actor):
             try:
                 with anyio.fail_after(10):
                     request = await _receive(stream)
-                    if isinstance(request, dict) and request.get("op") == "tree":
+                    op = request.get("op") if isinstance(request, dict) else None
+                    if op == "tree":
                         reply: Any = attrs.asdict(await snapshot_tree(self.root))
+                    elif op == "control_api":
+                        reply = await self._control_api()
                     else:
                         reply = {"error": f"unknown request {request!r}"}
                     await _send(stream, reply)
@@ -121,16 +135,37 @@ class ControlServer(Actor):
             ) as exc:
                 _log.info("control socket: request dropped", reason=repr(exc))
 
+    async def _control_api(self) -> dict[str, Any]:
+        if self.api_host is None:
+            return {"error": "this root serves no control API (run it with --control-api-port)"}
+        try:
+            port = await (await self.root.child("control-api")).ask("port")
+        except (KeyError, ActorError) as exc:  # the API is restarting: the client may try again
+            return {"error": f"the control API is not running: {exc!r}"}
+        host = f"[{self.api_host}]" if ":" in self.api_host else self.api_host
+        return {"url": f"http://{host}:{port}", "token_file": self.token_file}
 
-async def request_tree(path: str, timeout: float = 5.0) -> TreeNode:
-    """The live tree of the root listening on ``path``."""
+
+async def _request(path: str, op: str, timeout: float) -> Any:
     with anyio.fail_after(timeout):
         async with await anyio.connect_unix(path) as stream:
-            await _send(stream, {"op": "tree"})
+            await _send(stream, {"op": op})
             data = await _receive(stream)
     if "error" in data:
         raise RuntimeError(data["error"])
-    return _node(data)
+    return data
+
+
+async def request_tree(path: str, timeout: float = 5.0) -> TreeNode:
+    """The live tree of the root listening on ``path``."""
+    return _node(await _request(path, "tree", timeout))
+
+
+async def request_control_api(path: str, timeout: float = 5.0) -> tuple[str, str | None]:
+    """The URL of the control API of the root listening on ``path``, and the file of the token
+    the root made (``None``: it was given its token)."""
+    data = await _request(path, "control_api", timeout)
+    return str(data["url"]), data["token_file"]
 
 
 def _node(data: dict[str, Any]) -> TreeNode:

@@ -25,6 +25,7 @@ from actors.serving.root._shutdown import (
     hard_deadline,
     shutdown_serving,
 )
+from actors.tracing import configure_tracing, shutdown_tracing
 from supervisors import ChildSpec, SupervisorFlags, SupervisorRef, open_supervisor
 
 if TYPE_CHECKING:
@@ -81,20 +82,27 @@ async def run_root(
     """
     _raise_descriptor_limit()
     rundir = RunDir()
+    token_file = None
+    config = serving.config
+    if config.otlp_endpoint:
+        configure_tracing(config.otlp_endpoint, config.trace_sample_ratio)
     try:
         if options.control_api_port is not None and not options.control_token:
             token = secrets.token_urlsafe(24)
-            _log.warning("control API token written", path=str(rundir.write_token(token)))
+            token_file = str(rundir.write_token(token))
+            _log.warning("control API token written", path=token_file)
             options = attrs.evolve(options, control_token=token)
-        await _serve(serving, options, rundir, on_ready, signals)
+        await _serve(serving, options, rundir, token_file, on_ready, signals)
     finally:
         rundir.remove()
+        shutdown_tracing()  # the spans still buffered go out
 
 
 async def _serve(
     serving: Serving,
     options: RootOptions,
     rundir: RunDir,
+    token_file: str | None,
     on_ready: Callable[[SupervisorRef], Awaitable[None]] | None,
     signals: bool,
 ) -> None:
@@ -103,8 +111,12 @@ async def _serve(
     async with open_supervisor(
         children, SupervisorFlags(intensity=3, period=60), name="root"
     ) as root:
+        serving.root = root
         path = options.control_socket or str(rundir.control_socket)
-        await root.start_child(ChildSpec("control", lambda: ControlServer(root, path)))
+        api_host = None if options.control_api_port is None else options.control_api_host
+        await root.start_child(
+            ChildSpec("control", lambda: ControlServer(root, path, api_host, token_file))
+        )
         with anyio.fail_after(600):
             await serving.wait_routable()
         # Started: what start-up made (modules, the tree, the workers' links; ~90k objects)

@@ -7,16 +7,18 @@ import os
 from functools import partial
 from pathlib import Path
 
-from actors import Actor, current_registry
+from actors import Actor, ActorError, ExitReason, current_registry
 from actors.process import ProcessOptions, default_loop, preload
 from actors.serving.frontend import (
     ApiKeys,
     ByteTokenizer,
+    Dashboard,
     HFTokenizer,
     ImageStore,
     ModelInfo,
     TlsFiles,
     Tokenizer,
+    WorkerLoad,
     create_app,
     read_key_file,
     serve,
@@ -36,6 +38,8 @@ from supervisors import (
     Supervisor,
     SupervisorFlags,
     SupervisorRef,
+    TreeNode,
+    snapshot_tree,
 )
 
 __all__ = ["Frontend", "ModelServing", "Serving", "build_tree"]
@@ -132,7 +136,8 @@ class ModelServing:
 
 class Serving:
     """What a built tree shares: every served model (:class:`ModelServing`), the admission
-    gate, and the HTTP server's keys and certificates."""
+    gate, the HTTP server's keys and certificates, and the root supervisor once it runs (the
+    dashboard's data, see :class:`~actors.serving.frontend.DashboardSource`)."""
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
@@ -143,6 +148,8 @@ class Serving:
         self.models = [ModelServing(m, f"{m.model}/" if several else "") for m in served]
         self.port: int | None = None
         self.admission = Admission()
+        # Set by whoever opens the root supervisor, which exists only after its children start.
+        self.root: SupervisorRef | None = None
         # Keys and certificates are read here, once, so that a bad file fails before any worker
         # starts rather than in the frontend (which would restart on it).
         keys = list(config.api_key)
@@ -178,6 +185,40 @@ class Serving:
     def workers(self) -> list[WorkerEntry]:
         """The registered workers of every model."""
         return [entry for m in self.models for entry in m.table.workers.values()]
+
+    async def tree(self) -> TreeNode | None:
+        """The live supervision tree, as ``actorserve tree`` shows it (``None``: the root is not
+        running)."""
+        if self.root is None:
+            return None
+        try:
+            return await snapshot_tree(self.root)
+        except ActorError:
+            return None  # stopping
+
+    def worker_loads(self) -> list[WorkerLoad]:
+        """Every configured worker of every model: its state and, while registered, its load."""
+        loads = []
+        for model in self.models:
+            for worker_id, (role, state) in model.table.states().items():
+                entry = model.table.workers.get(worker_id)
+                if entry is None:
+                    loads.append(WorkerLoad(model.name, worker_id, role, state))
+                    continue
+                loads.append(
+                    WorkerLoad(
+                        model.name,
+                        worker_id,
+                        role,
+                        state,
+                        running=entry.reported_active,
+                        queued=entry.waiting,
+                        routed=entry.active,
+                        kv_usage=entry.cache_usage,
+                        kv_blocks=entry.capacity.total_kv_blocks,
+                    )
+                )
+        return loads
 
     def routable(self) -> int:
         """How many workers of every model can be routed to now."""
@@ -226,6 +267,7 @@ class Frontend(Actor):
 
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
+        self.dashboard = Dashboard(serving, REGISTRY)
 
     async def started(self) -> None:
         serving = self.serving
@@ -250,6 +292,7 @@ class Frontend(Actor):
             max_body_bytes=cfg.max_body_bytes,
             api_keys=serving.api_keys,
             images=ImageStore(cfg.image_dir),
+            dashboard=self.dashboard,
         )
         serving.port = await self.task_group.start(
             partial(
@@ -261,6 +304,11 @@ class Frontend(Actor):
                 tls=serving.tls,
             )
         )
+
+    async def stopping(self, reason: ExitReason) -> None:
+        # Dashboard streams never end by themselves: ended here, they do not hold the server's
+        # graceful shutdown (which waits for in-flight requests) for its whole grace period.
+        self.dashboard.close()
 
 
 def _pool(serving: Serving, model: ModelServing, role: str) -> ChildSpec:

@@ -66,6 +66,9 @@ class EngineBackend:
     # The local folder the engines load (config, tokenizer, chat template), if any, by the
     # engine args and the kind.
     find_model: Callable[[Mapping[str, Any], ModelKind], Path | None] | None = None
+    # ``--model``'s weights (a path, or a name the backend knows) -> the engine args that load
+    # them, by kind; None: the backend loads no weights.
+    load_weights: Callable[[str, ModelKind], dict[str, Any]] | None = None
     preload: tuple[str, ...] = ()  # modules the forkserver imports once for every worker
     # Seconds an engine may take to start (load, warm up) before its start counts as failed.
     start_timeout: float = 60.0
@@ -74,6 +77,15 @@ class EngineBackend:
     def kinds(self) -> tuple[ModelKind, ...]:
         """The kinds of model this backend serves."""
         return tuple(self.default_models)
+
+    def weights_args(self, weights: str, kind: ModelKind = "chat") -> dict[str, Any]:
+        """The engine args that load ``weights``; ``ValueError`` where this backend cannot."""
+        if self.load_weights is None:
+            raise ValueError(
+                f"the {self.name} backend loads no weights: name the served model with "
+                "--served-model-name (config: model) instead of --model (config: weights)"
+            )
+        return self.load_weights(weights, kind)
 
     def served_model(self, engine_args: Mapping[str, Any], kind: ModelKind = "chat") -> str:
         """The served model's name when the configuration gives none."""
@@ -193,6 +205,19 @@ def _hf_model_dir(engine_args: Mapping[str, Any], kind: ModelKind) -> Path:
     return find_smollm2(cache).folder
 
 
+def _hf_weights(weights: str, kind: ModelKind) -> dict[str, Any]:
+    """``model_dir`` for a folder; nothing for the kind's packaged model by its name."""
+    packaged = BACKENDS["hf"].default_models[kind]
+    if weights == packaged:
+        return {}
+    if not Path(weights).is_dir():
+        raise ValueError(
+            f"{weights!r}: the hf backend loads a transformers folder, or its packaged {kind} "
+            f"model {packaged!r}; no such folder"
+        )
+    return {"model_dir": weights}
+
+
 # -- sglang -----------------------------------------------------------------------------------
 
 
@@ -249,6 +274,7 @@ BACKENDS: dict[str, EngineBackend] = {
             "image": "tiny-diffusion",
         },
         find_model=_hf_model_dir,
+        load_weights=_hf_weights,
         # With torch and transformers imported in the forkserver once, a worker (re)start
         # skips seconds of imports.
         preload=("torch", "actors.serving.engines._hf"),
@@ -267,6 +293,8 @@ BACKENDS: dict[str, EngineBackend] = {
         },
         model_args=("served_model_name", "model_path"),
         find_model=_sglang_model_dir,
+        # A local folder or a hub id: SGLang's own ``--model-path``, which it checks itself.
+        load_weights=lambda weights, kind: {"model_path": weights},
         # Its warm-up JIT-compiles kernels on a fresh host: minutes, not seconds.
         start_timeout=1800.0,
     ),

@@ -258,6 +258,7 @@ class SGLangEngine:
                 (api.RequestAbortedError,) if api.RequestAbortedError is not None else ()
             ),
             forward_empty=self.kind == "dllm" or bool(self._args.get("dllm_algorithm")),
+            trace_header="external_trace_header" in params,
         )
         dp = int(self._info.get("num_dp_ranks") or requested_dp_size(self._info))
         metrics = str(getattr(engine.port_args, "metrics_ipc_name", "") or "")

@@ -76,6 +76,9 @@ class StreamConfig:
     # A block-diffusion model (``dllm_algorithm``) sends every chunk it makes: one without tokens
     # is a fault the request stream migrates, not a step to skip.
     forward_empty: bool = False
+    # Whether async_generate takes a W3C trace context (``external_trace_header``): a request
+    # the root traces continues its trace in SGLang's own spans (with its ``enable_trace``).
+    trace_header: bool = False
 
 
 class _Owner(Protocol):
@@ -247,6 +250,8 @@ class RequestStream:
                 kwargs[cfg.dp_param] = routing.dp_rank
             if routing.priority is not None and cfg.supports_priority:
                 kwargs["priority"] = routing.priority
+        if req.traceparent is not None and cfg.trace_header:
+            kwargs["external_trace_header"] = {"traceparent": req.traceparent}
         return kwargs
 
     async def run(self) -> AsyncGenerator[EngineOutput, None]:
