@@ -154,6 +154,8 @@ def test_find_smollm2_cached_folder(ref: Reference) -> None:
     assert (files.tokenizer_path / "tokenizer.json").is_file()
     assert (files.tokenizer_path / "chat_template.jinja").is_file()
     assert files.package_version in files.folder.name
+    # Readable by every user of a shared cache (a container's own user, say).
+    assert all(path.stat().st_mode & 0o004 for path in files.folder.iterdir())
 
 
 def test_missing_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

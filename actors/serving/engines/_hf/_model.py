@@ -158,6 +158,8 @@ def _convert(files: ModelFiles) -> None:
         model.save_pretrained(str(tmp))
         marker = {"source": str(files.gguf_path), "package_version": files.package_version}
         (tmp / _MARKER).write_text(json.dumps(marker))
+        for path in tmp.iterdir():
+            path.chmod(0o644)  # safetensors writes its file private, and the cache is shared
         if files.folder.exists():  # an incomplete leftover from an older, interrupted run
             shutil.rmtree(files.folder)
         tmp.rename(files.folder)
