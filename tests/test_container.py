@@ -130,10 +130,10 @@ def test_the_images_install_extras_that_exist() -> None:
     dev = " ".join(PYPROJECT["project"]["optional-dependencies"]["dev"])
     (tested,) = re.findall(r"actorserve\[([a-z,]+)\]", dev)
     cpu = _extras(_runs(CPU))
-    # What the default run needs, and nothing CI does not install and test.
-    assert cpu == {"serve", "hf", "kv", "uvloop"}
+    # What the default run needs (and tracing, off unless asked for), nothing CI does not test.
+    assert cpu == {"serve", "hf", "kv", "uvloop", "tracing"}
     assert cpu <= set(tested.split(","))
-    assert {"sglang", "serve", "kv"} <= _extras(_runs(GPU)) <= defined
+    assert {"sglang", "serve", "kv", "tracing"} <= _extras(_runs(GPU)) <= defined
 
 
 @pytest.mark.parametrize("dockerfile", [CPU, GPU], ids=lambda p: p.name)
