@@ -5,7 +5,7 @@ runs a command the CLI accepts, the way the Kubernetes Deployment runs it (same 
 probe route, non-root user). The HEALTHCHECK's command is run against a local ``/live``.
 
 Building the image takes minutes (it installs torch): ``deploy/docker/smoke.py`` does that with
-buildah, on demand (docs/pages/guide.md, "Container image")."""
+buildah after the suite in ``.ci/run`` (docs/pages/guide.md, "Container image")."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     python3 deploy/docker/smoke.py [--workdir DIR] [--base IMAGE] [--keep]
 
 Run as root on Debian, from anywhere; it installs buildah and debootstrap with apt-get when they
-are missing. Takes minutes (the image installs torch): run it on demand, not in the suite.
+are missing. Takes minutes (the image installs torch): .ci/run runs it after the suite.
 
 Without ``--base``, the base image is a stand-in for ``python:3.11-slim-bookworm`` made here (for
 machines that reach Debian's mirror and PyPI but no container registry): Debian bookworm by
