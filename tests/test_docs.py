@@ -161,7 +161,7 @@ def _flags_after(text: str, command: str) -> set[str]:
     return found
 
 
-_COMMANDS = ("run", "tree", "workers", "drain", "undrain", "release", "resume")
+_COMMANDS = ("run", "tree", "workers", "drain", "undrain", "release", "resume", "scale")
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ Sub-packages, lowest layer first (``pyproject.toml``'s import-linter contracts k
 - :mod:`~actors.serving.worker`: one worker = engine process actor + publisher + health checker;
 - :mod:`~actors.serving.routing` and :mod:`~actors.serving.requests`: the routing view and the
   request-stream actors that own each request;
+- :mod:`~actors.serving.planner`: load prediction, performance profiles and pool sizing (beside
+  the requests, under the root);
 - :mod:`~actors.serving.root`: the tree, its lifecycles and control; :mod:`actors.serving.cli`,
   the ``actorserve`` command;
 - :mod:`actors.serving.errors`: the application's errors under :class:`ServingError` (outside the

@@ -1,6 +1,6 @@
 """The ``actorserve`` command: ``run`` a root process, print a running root's ``tree``, and
 operate its workers through its control API (``workers``, ``drain``, ``undrain``, ``release``,
-``resume``)."""
+``resume``, ``scale``)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _root(
         ),
     ] = False,
 ) -> None:
-    """actorserve: run, tree, workers, drain, undrain, release, resume."""
+    """actorserve: run, tree, workers, drain, undrain, release, resume, scale."""
 
 
 def _config_file_defaults(ctx: typer.Context, path: Path | None) -> Path | None:
@@ -135,12 +135,32 @@ def run(
     decode_workers: Annotated[
         int | None, typer.Option(help="Decode (or aggregated) workers.")
     ] = None,
+    min_prefill_workers: Annotated[
+        int | None, typer.Option(help="Fewest prefill workers a scale-down leaves.")
+    ] = None,
+    min_decode_workers: Annotated[
+        int | None, typer.Option(help="Fewest decode (or aggregated) workers a scale-down leaves.")
+    ] = None,
     host: Annotated[str | None, typer.Option(help="HTTP host (loopback by default).")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port.")] = None,
     router: Annotated[
         str | None, typer.Option(help="round_robin, least_loaded or kv_aware.")
     ] = None,
     migration_limit: Annotated[int | None, typer.Option(help="Re-dispatches per request.")] = None,
+    local_prefill_max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Disaggregated: the decode worker prefills a request itself when at most this "
+            "many prompt tokens are not in its KV cache (0: never, every prefill is remote)."
+        ),
+    ] = None,
+    local_prefill_queue: Annotated[
+        int | None,
+        typer.Option(
+            help="Disaggregated, with local prefill on: the decode worker prefills itself when "
+            "every prefill worker holds at least this many requests."
+        ),
+    ] = None,
     engine_arg: Annotated[
         list[str] | None,
         typer.Option(help="KEY=VALUE passed to the engine untouched (repeatable)."),
@@ -266,10 +286,14 @@ def run(
         "mode": mode,
         "prefill_workers": prefill_workers,
         "decode_workers": decode_workers,
+        "min_prefill_workers": min_prefill_workers,
+        "min_decode_workers": min_decode_workers,
         "host": host,
         "port": port,
         "router": router,
         "migration_limit": migration_limit,
+        "local_prefill_max_tokens": local_prefill_max_tokens,
+        "local_prefill_queue": local_prefill_queue,
         "tokenizer": tokenizer,
         "memory_release": memory_release,
         "kv_events": kv_events,
@@ -520,6 +544,10 @@ def _target(worker: str | None, pool: str | None) -> tuple[dict[str, str | None]
     return {"worker": worker, "pool": pool}, worker or f"the {pool} pool"
 
 
+def _workers(n: int) -> str:
+    return f"{n} worker" if n == 1 else f"{n} workers"
+
+
 def _tags(tag: list[MemoryTag] | None) -> tuple[list[str], str]:
     """The tags for the API's body, and for a line that says what was done."""
     values = [t.value for t in tag or ()]
@@ -633,6 +661,36 @@ def resume(
     address = (control, control_api_url, control_token_file)
     answer = _call_control_api(address, "POST", "resume", {**target, "tags": tags})
     _done(answer, as_json, f"resumed {name}{said}")
+
+
+@app.command()
+def scale(
+    pool: Annotated[str, typer.Argument(metavar="POOL", help="The pool: decode or prefill.")],
+    by: Annotated[
+        int | None,
+        typer.Option(help="Workers to add (or to remove, if negative: the newest first)."),
+    ] = None,
+    to: Annotated[int | None, typer.Option(help="The pool's size to reach.")] = None,
+    worker: Annotated[str | None, typer.Option(help="With --by -1: the worker to remove.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="The model whose pool (default: the first served).")
+    ] = None,
+    control: _ControlSocket = "",
+    control_api_url: _ControlApiUrl = None,
+    control_token_file: _ControlTokenFile = None,
+    as_json: _AsJson = False,
+) -> None:
+    """Add workers to a pool or remove some (drained first: their requests move, none is cut)."""
+    if (by is None) == (to is None):
+        raise typer.BadParameter("give one: --by N or --to N", param_hint="--by / --to")
+    body: dict[str, Any] = {"pool": pool, "worker": worker, "model": model}
+    body.update({"delta": by} if by is not None else {"to": to})
+    address = (control, control_api_url, control_token_file)
+    answer = _call_control_api(address, "POST", "scale", body)
+    result = answer["result"]
+    changed = [f"added {w}" for w in result["added"]] + [f"removed {w}" for w in result["removed"]]
+    said = ", ".join(changed) or "as it was"
+    _done(answer, as_json, f"the {pool} pool has {_workers(len(result['workers']))} ({said})")
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ the nearest less indented one above it)::
         ControlApiError ............... a call to a root's control API failed
         HealthCheckFailed ............. a worker failed its canaries in a row
         InjectedCrash ................. a fault injected into an engine actor (scenarios)
-        LifecycleError ................ a drain, release or resume failed; a ReplyError too
+        LifecycleError ................ a drain, release, resume or scale failed; a ReplyError too
+            ScaleRefused .............. a scale the pool refuses (below its minimum, say)
         ModelPackageMissing ........... the model's package is not installed; a LookupError too
         MockEngineBusy ................ a KV release while requests hold KV; a RuntimeError too
         NixlError ..................... a NIXL call failed; a RuntimeError too
@@ -17,9 +18,9 @@ the nearest less indented one above it)::
         UnknownBackend ................ no engine backend of that name; a ValueError too
 
 The sub-packages that raise them re-export them: ``worker`` (``HealthCheckFailed``,
-``UnknownBackend``), ``root`` (``ControlApiError``, ``LifecycleError``, ``RunDirError``), ``kv``
-(``NixlError``), ``engines`` (``ModelPackageMissing``, ``MockEngineBusy``,
-``SGLangRequiresAsyncio``).
+``UnknownBackend``), ``root`` (``ControlApiError``, ``LifecycleError``, ``RunDirError``,
+``ScaleRefused``), ``kv`` (``NixlError``), ``engines`` (``ModelPackageMissing``,
+``MockEngineBusy``, ``SGLangRequiresAsyncio``).
 
 An error that ends one request is no ``ServingError`` but a
 :class:`protocols.errors.RequestError`, whose tree :mod:`protocols.errors` draws; the application
@@ -50,6 +51,7 @@ __all__ = [
     "NixlError",
     "RunDirError",
     "SGLangRequiresAsyncio",
+    "ScaleRefused",
     "ServingError",
     "UnknownBackend",
 ]
@@ -78,6 +80,11 @@ class InjectedCrash(ServingError):
 
 class LifecycleError(ServingError, ReplyError):
     """A lifecycle operation failed (after rolling back where it applies)."""
+
+
+class ScaleRefused(LifecycleError):
+    """A scale was refused before anything changed: below the pool's minimum, an unknown pool
+    or a worker that is not the pool's."""
 
 
 class ModelPackageMissing(ServingError, LookupError):

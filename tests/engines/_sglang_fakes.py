@@ -678,7 +678,8 @@ class FakeEngine:
 
     @sglang("Engine", "async_generate")
     async def async_generate(self, **args: Any) -> Any:
-        if args["data_parallel_rank"] is not None:
+        # Deprecated only where the record has its successor (an older SGLang has none).
+        if args["data_parallel_rank"] is not None and "routed_dp_rank" in args:
             import warnings
 
             warnings.warn("'data_parallel_rank' is deprecated", DeprecationWarning, stacklevel=2)

@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -39,6 +40,7 @@ from protocols.errors import (
 from tests.engines._sglang_fakes import (
     BOOT,
     FakeSGLang,
+    Record,
     collect,
     request,
     running,
@@ -130,6 +132,23 @@ async def test_generate_aggregated(anyio_backend: str, fake: FakeSGLang) -> None
         with pytest.raises(EngineFailure, match="scheduler error") as failed:
             await collect(engine.generate(PreprocessedRequest(rid="bad", token_ids=[777])))
         assert failed.value.migratable
+
+
+async def test_a_release_without_routed_dp_rank_gets_data_parallel_rank(
+    anyio_backend: str, record: Record, tmp_path: Path
+) -> None:
+    # The record as an SGLang that predates routed_dp_rank would have it.
+    older = Record(record.path)
+    params = older.data["callables"]["Engine.async_generate"]["params"]
+    params[:] = [p for p in params if p["name"] != "routed_dp_rank"]
+    fake = FakeSGLang(tmp_path, older)
+    fake.internal_state["dp_size"] = 2
+    async with running(anyio_backend, fake, warmup=False) as engine:
+        if engine is None:
+            return
+        await collect(engine.generate(request(n=1, routing=RoutingHints(dp_rank=1))))
+        (call,) = fake.args_of("Engine.async_generate")
+        assert call["data_parallel_rank"] == 1 and "routed_dp_rank" not in call
 
 
 async def test_logprobs_map_from_meta_info(anyio_backend: str, fake: FakeSGLang) -> None:

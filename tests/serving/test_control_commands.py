@@ -127,3 +127,34 @@ def test_no_running_root_is_a_clear_error() -> None:
     result = _cli("workers")
     assert result.exit_code == 1
     assert "no running root of this user" in result.output
+
+
+def test_scale_grows_and_shrinks_a_running_roots_pool(root: tuple[int, int]) -> None:
+    port, _ = root
+    up = _cli("scale", "decode", "--by", "1")
+    assert (up.exit_code, up.stdout) == (0, "the decode pool has 3 workers (added decode-2)\n"), (
+        up.output
+    )
+    assert _states()["decode-2"]["state"] == "serving"
+    # The new worker is a node of the live tree, under its pool.
+    shown = _cli("tree", "--json")
+    assert shown.exit_code == 0, shown.output
+    pools = [c for c in json.loads(shown.stdout)["children"] if c["id"] == "model:foo"]
+    decode = next(c for c in pools[0]["children"] if c["id"] == "decode-pool")
+    assert [c["id"] for c in decode["children"]] == ["decode-0", "decode-1", "decode-2"]
+    completion = {"model": "foo", "prompt": "after the scale", "max_tokens": 4}
+    assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=completion).is_success
+
+    down = _cli("scale", "decode", "--by", "-1", "--worker", "decode-0", "--json")
+    assert down.exit_code == 0, down.output
+    assert json.loads(down.stdout)["result"]["workers"] == ["decode-1", "decode-2"]
+    to = _cli("scale", "decode", "--to", "1")
+    assert (to.exit_code, to.stdout) == (0, "the decode pool has 1 worker (removed decode-2)\n")
+    assert set(_states()) == {"decode-1"}
+    below = _cli("scale", "decode", "--to", "0")
+    assert below.exit_code == 1
+    said = " ".join(below.output.split())
+    assert "refused (409): the decode pool of 'foo' has 1 worker and may not go below 1" in said
+    neither = _cli("scale", "decode")
+    assert neither.exit_code == 2
+    assert "--by N or --to N" in neither.output

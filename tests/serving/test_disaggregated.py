@@ -96,8 +96,13 @@ async def test_kill_decode_mid_stream_and_prefill_mid_transfer() -> None:
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(load)
+                    # All eight admitted first: with its only prefill worker down the model
+                    # takes no new request (503), and the test is about those in flight.
                     with anyio.fail_after(20):
-                        while (await tree.engine_stats(victim)).running < 1:
+                        while (
+                            tree.serving.admission.inflight < 8
+                            or (await tree.engine_stats(victim)).running < 1
+                        ):
                             await anyio.sleep(0.005)
                     os.kill((await tree.engine_stats(victim)).pid, signal.SIGKILL)
                 assert all(r["error"] is None for r in results), [r["error"] for r in results]

@@ -59,7 +59,9 @@ def test_pages_hashed_by_the_engine_its_own_way_are_matched_by_their_tokens() ->
     assert table.overlap("decode-0", PROMPT) == 4
     assert table.overlap("decode-0", [*PROMPT[:8], 1, 2, 3, 4]) == 2  # a shared prefix
     assert table.overlap("decode-0", [7, *PROMPT[1:]]) == 0
-    assert table.workers["decode-0"].blocks == set(prompt_page_hashes(PROMPT, PAGE, partial=False))
+    assert table.workers["decode-0"].ranks[0].blocks == set(
+        prompt_page_hashes(PROMPT, PAGE, partial=False)
+    )
 
     # Evicting the third page (by the engine's hash) shortens the match to two pages.
     removed = BlockRemoved(block_hashes=[engine_hashes[2]])
@@ -67,7 +69,7 @@ def test_pages_hashed_by_the_engine_its_own_way_are_matched_by_their_tokens() ->
     assert table.overlap("decode-0", PROMPT) == 2
     table.kv_events("decode-0", 0, KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
     assert table.overlap("decode-0", PROMPT) == 0
-    assert table.workers["decode-0"].engine_hashes == {}
+    assert table.workers["decode-0"].ranks[0].engine_hashes == {}
 
 
 def test_several_pages_in_one_event_and_an_unknown_parent() -> None:
@@ -84,4 +86,4 @@ def test_several_pages_in_one_event_and_an_unknown_parent() -> None:
     )
     table.kv_events("decode-0", 0, KVEventBatch(ts=0.0, events=[orphan]))
     assert table.overlap("decode-0", PROMPT) == 3
-    assert 99 not in table.workers["decode-0"].engine_hashes
+    assert 99 not in table.workers["decode-0"].ranks[0].engine_hashes

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from actors import ExitReason
 from supervisors import (
     ChildCount,
     ChildSpec,
+    ChildStartFailed,
     Strategy,
     Supervisor,
     SupervisorFlags,
     SupervisorRef,
     open_supervisor,
+    snapshot_tree,
 )
-from tests.helpers.supervision import Journal, crash, states, worker_spec
+from tests.helpers.supervision import Journal, StartControl, crash, states, worker_spec
 
 FLAGS = SupervisorFlags(intensity=10)
 
@@ -125,3 +129,34 @@ async def test_a_supervisor_stopped_by_its_parent_exits_with_shutdown() -> None:
         await root.terminate_child("mid")
         assert (await monitor.wait()).reason == ExitReason.shutdown()
         assert journal.of("stop") == ["q", "p", "x"]
+
+
+async def test_a_child_supervisor_added_at_run_time_is_in_the_tree_until_deleted() -> None:
+    # A pool that scales: a worker supervisor started with start_child, later terminated and
+    # deleted; one whose own child fails to start leaves no trace, and its id can be used again.
+    journal = Journal()
+    control = StartControl(fail=1)
+
+    def pool_member() -> Supervisor:
+        return Supervisor([worker_spec("e", journal, control)], FLAGS, name="member")
+
+    async with open_supervisor(_tree(journal), FLAGS) as root:
+        leaf = await _sub(root, "mid", "leaf")
+        member = ChildSpec("member", pool_member, kind="supervisor")
+        with pytest.raises(ChildStartFailed):
+            await leaf.start_child(member)
+        assert [c.id for c in await leaf.which_children()] == ["p", "q"]
+        assert await leaf.start_child(member) is not None
+        tree = await snapshot_tree(root)
+        (mid,) = [n for n in tree.children if n.id == "mid"]
+        (leaf_node,) = [n for n in mid.children if n.id == "leaf"]
+        assert [(n.id, n.kind, n.state) for n in leaf_node.children] == [
+            ("p", "worker", "running"),
+            ("q", "worker", "running"),
+            ("member", "supervisor", "running"),
+        ]
+        assert [n.id for n in leaf_node.children[2].children] == ["e"]
+        await leaf.terminate_child("member")
+        await leaf.delete_child("member")
+        assert [c.id for c in await leaf.which_children()] == ["p", "q"]
+        assert journal.of("stop")[-1:] == ["e"]

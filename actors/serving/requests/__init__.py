@@ -28,6 +28,8 @@ The types, each in one line:
 - :class:`Admission`: the gate, and the count of requests in flight.
 - :class:`RequestOutputs`: the consumer's side of one request (``_outputs.py``).
 - :class:`RequestStream`, :class:`StreamOptions`: the actor and its settings (``_request.py``).
+- :class:`LocalPrefill`: when a decode worker prefills a disaggregated request itself
+  (``_local_prefill.py``).
 - ``NextAttempt``, ``Finish``: what the consumer asks (an attempt) and tells (the end).
 - ``Attempt``, ``PrefillFirstAttempt``: one worker's stream and the rules of each output.
 - ``Progress``: what the request produced so far, across its attempts.
@@ -36,12 +38,14 @@ The types, each in one line:
 """
 
 from actors.serving.requests._admission import Admission
+from actors.serving.requests._local_prefill import LocalPrefill
 from actors.serving.requests._metrics import declare_model
 from actors.serving.requests._outputs import RequestOutputs, open_request
 from actors.serving.requests._request import RequestStream, StreamOptions
 
 __all__ = [
     "Admission",
+    "LocalPrefill",
     "RequestOutputs",
     "RequestStream",
     "StreamOptions",

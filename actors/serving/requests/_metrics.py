@@ -1,8 +1,11 @@
-"""The request streams' metrics (migrations, hand-overs, fallbacks, cancellations, prefix-cache
-hits), named as Dynamo's frontend names them (``dynamo_frontend_model_migration_total``, ...):
-the request streams run in the root, behind its HTTP frontend."""
+"""The request streams' metrics (migrations, hand-overs, fallbacks, prefill decisions,
+cancellations, prefix-cache hits), named as Dynamo's frontend names them
+(``dynamo_frontend_model_migration_total``, ...): the request streams run in the root, behind its
+HTTP frontend."""
 
 from __future__ import annotations
+
+from typing import Literal, get_args
 
 from prometheus_client import Counter, Histogram
 
@@ -16,9 +19,16 @@ __all__ = [
     "LIVE_MIGRATIONS_AHEAD",
     "MIGRATIONS",
     "MIGRATION_SECONDS",
+    "PREFILL_DECISIONS",
     "PROMPT_TOKENS",
+    "LocalReason",
+    "RemoteReason",
     "declare_model",
 ]
+
+# Why a disaggregated attempt was prefilled on its decode worker, or on a prefill worker.
+LocalReason = Literal["short_prompt", "prefill_queue", "no_prefill_worker"]
+RemoteReason = Literal["long_prompt", "off", "decode_cannot_prefill"]
 
 MIGRATIONS = Counter(
     "actorserve_frontend_model_migration",
@@ -36,6 +46,13 @@ FALLBACKS = Counter(
     "actorserve_frontend_decode_only_fallback",
     "Disaggregated requests served by a decode worker alone (no prefill worker routable).",
     ["model"],
+    registry=REGISTRY,
+)
+PREFILL_DECISIONS = Counter(
+    "actorserve_frontend_prefill_decision",
+    "Disaggregated attempts by where their prompt was prefilled: on their decode worker "
+    "(local) or on a prefill worker (remote), and why.",
+    ["model", "decision", "reason"],
     registry=REGISTRY,
 )
 LIVE_MIGRATIONS = Counter(
@@ -81,6 +98,10 @@ def declare_model(model: str) -> None:
         MIGRATIONS.labels(model, migration_type)
     CANCELLATIONS.labels(model)
     FALLBACKS.labels(model)
+    for reason in get_args(LocalReason):
+        PREFILL_DECISIONS.labels(model, "local", reason)
+    for reason in get_args(RemoteReason):
+        PREFILL_DECISIONS.labels(model, "remote", reason)
     for outcome in ("success", "fallback"):
         LIVE_MIGRATIONS.labels(model, outcome)
     for outcome in ("taken", "dropped"):

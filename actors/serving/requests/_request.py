@@ -35,6 +35,7 @@ import structlog
 from actors import Actor, ActorError, ReplyError, ReplyStream
 from actors.serving.requests._attempt import Attempt, Handover, Prepare, Progress
 from actors.serving.requests._continuation import continuation
+from actors.serving.requests._local_prefill import LocalPrefill
 from actors.serving.requests._metrics import (
     CANCELLATIONS,
     FALLBACKS,
@@ -79,6 +80,8 @@ class StreamOptions:
     buffer: int = 32
     # What the model serves: a block-diffusion model's (dllm) empty output is an error.
     kind: ModelKind = "chat"
+    # When a disaggregated request's decode worker prefills it itself.
+    local_prefill: LocalPrefill = attrs.field(factory=LocalPrefill)
 
 
 class RequestStream(Actor):
@@ -215,7 +218,7 @@ class RequestStream(Actor):
             routed = self._take("decode", request, (offer.source.worker_id,))
         except NoWorkerAvailable:
             return
-        trace, request = self._attempt_trace(request, prepared=True)
+        trace, request = self._attempt_trace(routed.placed(request), prepared=True)
         if trace is not None:
             trace.routed(routed.worker_id, self._role())
         try:
@@ -269,6 +272,7 @@ class RequestStream(Actor):
                 trace, request = self._attempt_trace(request)
                 try:
                     routed, request, prefill = await self._route_request(request, trace)
+                    request = routed.placed(request)  # on the data-parallel rank it was routed to
                     if trace is not None:
                         trace.routed(routed.worker_id, self._role())
                     outputs = routed.engine.stream(request, buffer=self.options.buffer)
@@ -403,9 +407,7 @@ class RequestStream(Actor):
     def _take(self, role: Role, request: PreprocessedRequest, exclude: tuple[str, ...]) -> Routed:
         """Route here, from the routing view (it lives on this event loop: no hop to another
         actor; ``RoutingTable.take`` counts the request in flight there)."""
-        entry = self.table.take(role, self.options.router, request.token_ids, exclude)
-        capacity = entry.capacity
-        return Routed(entry.id, entry.engine, capacity.bootstrap, capacity.prefills_alone)
+        return self.table.take(role, self.options.router, request.token_ids, exclude)
 
     async def _route(
         self, role: Role, request: PreprocessedRequest, deadline: float, *, retrying: bool
@@ -441,23 +443,31 @@ class RequestStream(Actor):
         """Disaggregated: pick a decode and a prefill worker, send the prefill its request with a
         fresh room and return the decode side's routing and request (sent by the caller at once:
         both start together, as in SGLang's bootstrap protocol), with the prefill if its first
-        token is the client's. With no prefill worker routable, decode serves the request alone
-        (Dynamo's decode-only fallback) where its engine can; else the request waits for a
-        prefill worker as it would for a decode worker."""
+        token is the client's. Decode prefills the request itself instead where its engine can
+        and the options' :class:`LocalPrefill` says so (conditional disaggregation), or with no
+        prefill worker routable (Dynamo's decode-only fallback); an engine that cannot waits for
+        a prefill worker as it would for a decode worker."""
         decode = await self._route("decode", request, deadline, retrying=retrying)
-        try:
-            routed = self._take("prefill", request, ())
-        except NoWorkerAvailable:
-            if decode.prefills_alone:
-                FALLBACKS.labels(self.options.model).inc()
-                return decode, msgspec.structs.replace(request, bootstrap_info=None), None
-            self._done(decode)
-            routed = await self._route("prefill", request, deadline, retrying=retrying)
+        decision = self.options.local_prefill.decide(self.table, decode, request.token_ids)
+        routed: Routed | None = None
+        if not decision.local:
             try:
-                decode = await self._route("decode", request, deadline, retrying=retrying)
-            except BaseException:
-                self._done(routed)
-                raise
+                routed = self._take("prefill", request, ())
+            except NoWorkerAvailable:
+                if decode.prefills_alone:
+                    FALLBACKS.labels(self.options.model).inc()
+                    decision = attrs.evolve(decision, reason="no_prefill_worker")
+                else:
+                    self._done(decode)
+                    routed = await self._route("prefill", request, deadline, retrying=retrying)
+                    try:
+                        decode = await self._route("decode", request, deadline, retrying=retrying)
+                    except BaseException:
+                        self._done(routed)
+                        raise
+        decision.record(self.options.model, request.rid)
+        if routed is None:
+            return decode, msgspec.structs.replace(request, bootstrap_info=None), None
         if routed.bootstrap is None:
             self._done(routed)
             self._done(decode)
@@ -524,7 +534,7 @@ class RequestStream(Actor):
             pass
 
     def _done(self, routed: Routed) -> None:
-        self.table.done(routed.worker_id)
+        self.table.done(routed.worker_id, routed.dp_rank)
 
 
 def _typed(exc: BaseException) -> RequestError:

@@ -2,7 +2,8 @@
 
 :func:`build_tree` makes the serving tree for a :class:`ServeConfig`; :func:`run_root` runs it
 under signal handling and the staged shutdown; :class:`Lifecycle` drains, releases and resumes
-workers; :class:`ControlServer` and :class:`ControlApi` are the local control socket and the
+workers and scales pools (:class:`ScaleUp`, :class:`ScaleDown`, :class:`ScaleTo`);
+:class:`ControlServer` and :class:`ControlApi` are the local control socket and the
 token-protected HTTP control API, which :class:`ControlApiClient` calls.
 """
 
@@ -28,6 +29,7 @@ from actors.serving.root._lifecycle import (
 )
 from actors.serving.root._root import RootOptions, run_root, serving_children, wait_healthy
 from actors.serving.root._rundir import RunDir, RunDirError, token_file_of_this_root
+from actors.serving.root._scale import ScaleDown, ScaleRefused, ScaleTo, ScaleUp
 from actors.serving.root._service import ModelService, ServedModel
 from actors.serving.root._tree import Frontend, ModelServing, Serving, build_tree
 
@@ -50,6 +52,10 @@ __all__ = [
     "RootOptions",
     "RunDir",
     "RunDirError",
+    "ScaleDown",
+    "ScaleRefused",
+    "ScaleTo",
+    "ScaleUp",
     "ServeConfig",
     "ServedModel",
     "Serving",

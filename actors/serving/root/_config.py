@@ -59,12 +59,20 @@ class ModelConfig:
     mode: Literal["aggregated", "disaggregated"] = "disaggregated"
     prefill_workers: int = 1
     decode_workers: int = 2
+    # A scale-down never leaves a pool smaller than this (a pool of none serves nothing).
+    min_prefill_workers: int = 1
+    min_decode_workers: int = 1
     engine_args: dict[str, Any] = attrs.field(factory=dict)
     # Per-role engine args, over ``engine_args`` (aggregated workers take the decode ones).
     prefill_engine_args: dict[str, Any] = attrs.field(factory=dict)
     decode_engine_args: dict[str, Any] = attrs.field(factory=dict)
     router: Literal["round_robin", "least_loaded", "kv_aware"] = "kv_aware"
     migration_limit: int = 3
+    # Conditional disaggregation: a decode worker prefills a request itself when at most this
+    # many of its prompt tokens are not in its KV cache (0: never), or when every prefill
+    # worker's load is at least local_prefill_queue (with local prefill on).
+    local_prefill_max_tokens: int = 0
+    local_prefill_queue: int = 4
     stall_timeout: float = 30.0
     request_timeout: float = 600.0
     heartbeat_timeout: float = 5.0
@@ -99,10 +107,22 @@ class ModelConfig:
             raise ValueError(
                 "need a decode (or aggregated) worker, and a prefill worker when disaggregated"
             )
+        prefill_minimum_ok = 1 <= self.min_prefill_workers <= self.prefill_workers
+        if not 1 <= self.min_decode_workers <= self.decode_workers or (
+            self.mode == "disaggregated" and not prefill_minimum_ok
+        ):
+            raise ValueError(
+                "a pool's minimum (min_decode_workers, min_prefill_workers) must be at least 1 "
+                "and at most the pool's starting size"
+            )
         if self.migration_limit < 0:
             raise ValueError("migration_limit must be >= 0")
         if self.quarantine_cooldown < 0:
             raise ValueError("quarantine_cooldown must be >= 0")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0 (0 turns local prefill off)")
+        if self.local_prefill_queue < 0:
+            raise ValueError("local_prefill_queue must be >= 0")
         check_parser_names(self.tool_call_parser, self.reasoning_parser)
 
     def _load_weights(self, weights: str) -> None:

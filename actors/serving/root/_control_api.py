@@ -1,5 +1,5 @@
 """The root's control API: drain / undrain a worker, release / resume memory (a worker or a
-pool, with tags), shutdown. HTTP on loopback, every call carrying a bearer token."""
+pool, with tags), scale a pool, shutdown. HTTP on loopback, every call carrying a bearer token."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from actors.serving.root._lifecycle import (
     UndrainWorker,
     WorkerStates,
 )
+from actors.serving.root._scale import ScaleDown, ScaleTo, ScaleUp
 from protocols.engine import MemoryTag
 
 __all__ = ["ControlApi", "control_app", "load_token"]
@@ -43,6 +44,13 @@ def load_token(path: str | None) -> str | None:
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def _count(value: Any, name: str) -> int:
+    """A body's whole number (JSON's true is no number here)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return value
 
 
 def control_app(lifecycle: ActorRef[Any], token: str, shutdown: Callable[[], None]) -> Starlette:
@@ -103,6 +111,23 @@ def control_app(lifecycle: ActorRef[Any], token: str, shutdown: Callable[[], Non
     async def resume(body: dict[str, Any]) -> None:
         await lifecycle.ask(Resume(body.get("worker"), body.get("pool"), tags(body)), timeout=None)
 
+    async def scale(body: dict[str, Any]) -> Any:
+        pool, worker, model = str(body["pool"]), body.get("worker"), body.get("model")
+        if ("delta" in body) == ("to" in body):
+            raise ValueError("give one of delta (workers to add, or to remove if < 0) or to")
+        message: ScaleUp | ScaleDown | ScaleTo
+        if "to" in body:
+            message = ScaleTo(pool, _count(body["to"], "to"), model)
+        elif (delta := _count(body["delta"], "delta")) > 0:
+            if worker is not None:
+                raise ValueError("worker names a worker to remove: give it with a delta of -1")
+            message = ScaleUp(pool, delta, model)
+        elif delta < 0:
+            message = ScaleDown(pool, None if worker is None else str(worker), -delta, model)
+        else:
+            raise ValueError("a delta of 0 changes nothing")
+        return await lifecycle.ask(message, timeout=None)
+
     async def stop(body: dict[str, Any]) -> None:
         shutdown()
 
@@ -112,6 +137,7 @@ def control_app(lifecycle: ActorRef[Any], token: str, shutdown: Callable[[], Non
         Route("/control/undrain", guarded(undrain), methods=["POST"]),
         Route("/control/release", guarded(release), methods=["POST"]),
         Route("/control/resume", guarded(resume), methods=["POST"]),
+        Route("/control/scale", guarded(scale), methods=["POST"]),
         Route("/control/shutdown", guarded(stop), methods=["POST"]),
     ]
 

@@ -1,4 +1,5 @@
-"""Ordered lifecycles for the serving tree: worker drain, memory release/resume, root shutdown.
+"""Ordered lifecycles for the serving tree: worker drain, memory release/resume, pool scaling
+(see ``_scale``), root shutdown.
 
 One :class:`Lifecycle` actor per root orchestrates, through the engine actors and the routing
 view; each operation is serialised by its mailbox.
@@ -18,12 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
-import structlog
-from prometheus_client import Counter, Histogram
 
-from actors import Actor, ActorError, ActorRef
+from actors import Actor, ActorError
 from actors.serving.errors import LifecycleError
-from actors.telemetry import REGISTRY
+from actors.serving.root._scale import ScaleDown, Scaler, ScaleTo, ScaleUp
+from actors.serving.root._stages import Stage, wait_quiescent
 from protocols import control
 from protocols.engine import DEFAULT_RELEASE_TAGS, MemoryTag, PauseMode
 from protocols.errors import RequestError
@@ -42,22 +42,6 @@ __all__ = [
     "UndrainWorker",
     "WorkerStates",
 ]
-
-_log = structlog.get_logger("actorserve.lifecycle")
-STAGES = Counter(
-    "actorserve_lifecycle_stages",
-    "Lifecycle stages by outcome.",
-    ["operation", "stage", "outcome"],
-    registry=REGISTRY,
-)
-STAGE_SECONDS = Histogram(
-    "actorserve_lifecycle_stage_duration_seconds",
-    "How long each stage took.",
-    ["operation", "stage"],
-    # From a memory release on an idle worker to a drain that runs out its whole budget.
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-    registry=REGISTRY,
-)
 
 
 @attrs.frozen
@@ -104,49 +88,19 @@ class WorkerStates:
     pass
 
 
-async def wait_quiescent(engine: ActorRef[Any]) -> None:
-    """Return once the engine actor's engine is quiescent (see ``control.WaitQuiescent``)."""
-    async with engine.stream(control.WaitQuiescent(), buffer=1) as replies:
-        async for _ in replies:
-            pass
-
-
-class _Stage:
-    """Times and logs one stage; an exception marks it failed."""
-
-    def __init__(self, operation: str, stage: str, **fields: Any) -> None:
-        self.operation, self.stage, self.fields = operation, stage, fields
-
-    def __enter__(self) -> _Stage:
-        self.start = anyio.current_time()
-        _log.info(
-            "stage", operation=self.operation, stage=self.stage, status="started", **self.fields
-        )
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        took = anyio.current_time() - self.start
-        outcome = "completed" if exc_type is None else "failed"
-        STAGES.labels(self.operation, self.stage, outcome).inc()
-        STAGE_SECONDS.labels(self.operation, self.stage).observe(took)
-        _log.info(
-            "stage",
-            operation=self.operation,
-            stage=self.stage,
-            status=outcome,
-            seconds=round(took, 4),
-            **self.fields,
-        )
-
-
 class Lifecycle(Actor):
-    """Drains workers, releases and resumes their memory, and runs the root's shutdown."""
+    """Drains workers, releases and resumes their memory, scales pools, and runs the root's
+    shutdown."""
 
     reply_errors = (LifecycleError,)
 
     def __init__(self, serving: Serving, budgets: Budgets | None = None) -> None:
         self.serving = serving
         self.budgets = budgets or Budgets()
+        self.scaler = Scaler(serving, self.budgets.transfers, self._drain_to_remove)
+
+    async def started(self) -> None:
+        self.scaler.publish()
 
     async def receive(self, message: Any) -> Any:
         match message:
@@ -169,6 +123,8 @@ class Lifecycle(Actor):
                     await self.resume(target, tags)
             case WorkerStates():
                 return self.states()
+            case ScaleUp() | ScaleDown() | ScaleTo():
+                return await self.scaler.handle(message)
             case _:
                 return await super().receive(message)
         return None
@@ -232,19 +188,22 @@ class Lifecycle(Actor):
         with ``live``, a decode worker's requests move with their KV where they can."""
         entry = self._entry(worker)
         budgets = self.budgets
-        with _Stage(operation, "unregister", worker=worker):
+        with Stage(operation, "unregister", worker=worker):
             self.serving.table_of(worker).set_draining(worker, True)
-        grace = budgets.grace if operation == "drain" else budgets.release_grace
-        with _Stage(operation, "grace", worker=worker):
+        grace = budgets.release_grace if operation == "release" else budgets.grace
+        with Stage(operation, "grace", worker=worker):
             await anyio.sleep(grace)
-        with _Stage(operation, "stop_admission", worker=worker, handover=handover):
+        with Stage(operation, "stop_admission", worker=worker, handover=handover):
             await entry.engine.ask(control.Drain(handover=handover, live=live))
-        with _Stage(operation, "drain", worker=worker):
+        with Stage(operation, "drain", worker=worker):
             with anyio.move_on_after(budgets.drain) as scope:
                 await wait_quiescent(entry.engine)
             if scope.cancelled_caught:
                 # Out of budget: hand over what is left rather than wait longer.
                 await entry.engine.ask(control.Drain(handover=True, live=live))
+
+    async def _drain_to_remove(self, worker: str) -> None:
+        await self.drain(worker, handover=True, live=True, operation="scale_down")
 
     async def undrain(self, worker: str) -> None:
         entry = self._entry(worker)
@@ -273,10 +232,10 @@ class Lifecycle(Actor):
         try:
             if not entry.paused:
                 await self.drain(worker, handover=True, operation="release")
-                with _Stage("release", "pause", worker=worker):
+                with Stage("release", "pause", worker=worker):
                     await entry.engine.ask(control.Pause(PauseMode.RETRACT))
                     entry.paused = True
-            with _Stage(
+            with Stage(
                 "release", "release_memory", worker=worker, tags=sorted(t.value for t in new)
             ):
                 await entry.engine.ask(
@@ -295,7 +254,7 @@ class Lifecycle(Actor):
         to_resume = wanted & entry.released
         try:
             if to_resume:
-                with _Stage(
+                with Stage(
                     "resume",
                     "resume_memory",
                     worker=worker,
@@ -312,16 +271,16 @@ class Lifecycle(Actor):
             raise LifecycleError(f"resume of {worker!r} failed: {exc}") from None
 
     async def _serve_again(self, entry: WorkerEntry) -> None:
-        with _Stage("resume", "continue", worker=entry.id):
+        with Stage("resume", "continue", worker=entry.id):
             await entry.engine.ask(control.Undrain(continue_generation=True))
             entry.paused = False
-        with _Stage("resume", "register", worker=entry.id):
+        with Stage("resume", "register", worker=entry.id):
             self.serving.table_of(entry.id).set_draining(entry.id, False)
 
     async def _roll_back(self, entry: WorkerEntry) -> None:
         """Back to a routable state after a failed release: resume what was released, continue,
         re-register."""
-        with _Stage("release", "rollback", worker=entry.id):
+        with Stage("release", "rollback", worker=entry.id):
             if entry.released:
                 await entry.engine.ask(control.ResumeMemory(tuple(entry.released)))
                 entry.released.clear()

@@ -18,8 +18,9 @@ import anyio
 import structlog
 
 from actors import ActorError
-from actors.serving.root._lifecycle import Budgets, _Stage, wait_quiescent
+from actors.serving.root._lifecycle import Budgets
 from actors.serving.root._rundir import remove_on_hard_exit
+from actors.serving.root._stages import Stage, wait_quiescent
 from protocols import control
 
 if TYPE_CHECKING:
@@ -64,13 +65,13 @@ def hard_deadline(budgets: Budgets) -> float:
 async def shutdown_serving(serving: Serving, budgets: Budgets) -> None:
     """Run every stage before the tree itself is stopped."""
     admission = serving.admission
-    with _Stage("shutdown", "unregister"):
+    with Stage("shutdown", "unregister"):
         admission.ready = False
-    with _Stage("shutdown", "grace"):
+    with Stage("shutdown", "grace"):
         await anyio.sleep(budgets.grace)
-    with _Stage("shutdown", "stop_admission"):
+    with Stage("shutdown", "stop_admission"):
         admission.admitting = False
-    with _Stage("shutdown", "drain", inflight=admission.inflight):
+    with Stage("shutdown", "drain", inflight=admission.inflight):
         with anyio.move_on_after(budgets.drain):
             await admission.wait_idle()
         if admission.inflight:
@@ -82,7 +83,7 @@ async def shutdown_serving(serving: Serving, budgets: Budgets) -> None:
                     pass
             with anyio.move_on_after(5.0):
                 await admission.wait_idle()
-    with _Stage("shutdown", "transfers"):
+    with Stage("shutdown", "transfers"):
         with anyio.move_on_after(budgets.transfers):
             for entry in serving.workers():
                 if entry.role == "prefill":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 from actors import Actor, ActorError, ExitReason, current_registry
 from actors.process import ProcessOptions, default_loop, preload
@@ -23,7 +25,13 @@ from actors.serving.frontend import (
     read_key_file,
     serve,
 )
-from actors.serving.requests import Admission, RequestStream, StreamOptions, declare_model
+from actors.serving.requests import (
+    Admission,
+    LocalPrefill,
+    RequestStream,
+    StreamOptions,
+    declare_model,
+)
 from actors.serving.root._config import ModelConfig, ServeConfig
 from actors.serving.root._service import ModelService, ServedModel
 from actors.serving.routing import Role, RoutingTable, WorkerEntry
@@ -42,7 +50,9 @@ from supervisors import (
     snapshot_tree,
 )
 
-__all__ = ["Frontend", "ModelServing", "Serving", "build_tree"]
+__all__ = ["Frontend", "ModelServing", "Pool", "Serving", "build_tree"]
+
+Pool = Literal["prefill", "decode"]
 
 
 class ModelServing:
@@ -50,6 +60,7 @@ class ModelServing:
 
     def __init__(self, config: ModelConfig, prefix: str = "") -> None:
         self.config = config
+        self.prefix = prefix
         roles: dict[str, Role] = {}
         if config.mode == "disaggregated":
             roles.update({f"{prefix}prefill-{i}": "prefill" for i in range(config.prefill_workers)})
@@ -58,6 +69,7 @@ class ModelServing:
             roles.update(
                 {f"{prefix}decode-{i}": "aggregated" for i in range(config.decode_workers)}
             )
+        # The table's own dict: the workers a scale adds to the table or removes are the model's.
         self.roles = roles
         self.table = RoutingTable(roles)
         self.backend = backend = engine_backend(config.backend)
@@ -87,6 +99,32 @@ class ModelServing:
     @property
     def streams_name(self) -> str:
         return f"{self.config.model}/streams"
+
+    def pool_role(self, pool: str) -> Role:
+        """The role of the workers of ``pool`` (``LookupError``: the model has no such pool)."""
+        if pool == "decode":
+            return "decode" if self.config.mode == "disaggregated" else "aggregated"
+        if pool == "prefill" and self.config.mode == "disaggregated":
+            return "prefill"
+        pools = "prefill, decode" if self.config.mode == "disaggregated" else "decode"
+        raise LookupError(f"model {self.name!r} has no {pool!r} pool (pools: {pools})")
+
+    def pool_workers(self, pool: str) -> list[str]:
+        """The workers of ``pool`` now, the initial ones first."""
+        role = self.pool_role(pool)
+        return [wid for wid, r in self.roles.items() if r == role]
+
+    def min_workers(self, pool: str) -> int:
+        """The fewest workers a scale-down leaves in ``pool``."""
+        self.pool_role(pool)
+        cfg = self.config
+        return cfg.min_prefill_workers if pool == "prefill" else cfg.min_decode_workers
+
+    def next_worker_id(self, pool: str) -> str:
+        """The first id of ``pool``'s pattern (``decode-<i>``) no worker has."""
+        self.pool_role(pool)
+        ids = (f"{self.prefix}{pool}-{i}" for i in itertools.count())
+        return next(wid for wid in ids if wid not in self.roles)
 
     def engine_config(self, role: Role, worker_id: str = "", threads: int = 1) -> bytes:
         """The configuration of the engine of ``worker_id``, a ``role`` worker, as its backend
@@ -174,6 +212,22 @@ class Serving:
     def roles(self) -> dict[str, Role]:
         """Every worker of every model, and its role."""
         return {wid: role for m in self.models for wid, role in m.roles.items()}
+
+    def worker_spec(self, worker_id: str) -> ChildSpec:
+        """The child spec of ``worker_id``, a worker its model's roles name, as its pool starts
+        it."""
+        for model in self.models:
+            if worker_id in model.roles:
+                return _worker(self, model, worker_id)
+        raise LookupError(f"no worker {worker_id!r}")
+
+    async def pool_supervisor(self, model: ModelServing, pool: Pool) -> SupervisorRef:
+        """The supervisor of ``model``'s ``pool`` in the running tree (``LookupError``: not
+        running)."""
+        if self.root is None:
+            raise LookupError("the root is not running")
+        subtree = SupervisorRef(await self.root.child(f"model:{model.name}"))
+        return SupervisorRef(await subtree.child(f"{pool}-pool"))
 
     def table_of(self, worker_id: str) -> RoutingTable:
         """The routing table ``worker_id`` is in (``LookupError``: no such worker)."""
@@ -311,9 +365,8 @@ class Frontend(Actor):
         self.dashboard.close()
 
 
-def _pool(serving: Serving, model: ModelServing, role: str) -> ChildSpec:
+def _worker(serving: Serving, model: ModelServing, worker_id: str) -> ChildSpec:
     cfg = model.config
-    ids = [wid for wid, r in model.roles.items() if (r == "prefill") == (role == "prefill")]
     # Workers run on uvloop where installed: about half the CPU per message of plain asyncio.
     process = ProcessOptions(
         heartbeat_timeout=cfg.heartbeat_timeout,
@@ -325,23 +378,27 @@ def _pool(serving: Serving, model: ModelServing, role: str) -> ChildSpec:
         timeout=cfg.health_timeout,
         failures=cfg.health_failures,
     )
-    engine_role = model.roles[ids[0]]
-    workers = [
-        worker_spec(
-            wid,
-            cfg.backend,
-            model.engine_config(engine_role, wid, serving.hf_threads()),
-            process=process,
-            health=health,
-            directory=model.table,
-            sink=model.table,
-            quarantine=_quarantine(cfg.quarantine_cooldown),
-        )
-        for wid in ids
-    ]
-    name = f"{role}-pool"
+    return worker_spec(
+        worker_id,
+        cfg.backend,
+        model.engine_config(model.roles[worker_id], worker_id, serving.hf_threads()),
+        process=process,
+        health=health,
+        directory=model.table,
+        sink=model.table,
+        quarantine=_quarantine(cfg.quarantine_cooldown),
+    )
+
+
+def _pool(serving: Serving, model: ModelServing, pool: Pool) -> ChildSpec:
+    name = f"{pool}-pool"
+    # Built here, so that an engine configuration the backend refuses fails before any start.
+    built = {wid: _worker(serving, model, wid) for wid in model.pool_workers(pool)}
 
     def start() -> Supervisor:
+        # The pool's workers as they are now: a pool restarted after a scale keeps its size.
+        ids = model.pool_workers(pool)
+        workers = [built.get(wid) or _worker(serving, model, wid) for wid in ids]
         return Supervisor(
             workers,
             SupervisorFlags(Strategy.ONE_FOR_ONE, intensity=len(workers) * 3, period=60),
@@ -371,6 +428,7 @@ def _model_tree(serving: Serving, model: ModelServing) -> ChildSpec:
         stall_timeout=cfg.stall_timeout,
         request_timeout=cfg.request_timeout,
         router=cfg.router,
+        local_prefill=LocalPrefill(cfg.local_prefill_max_tokens, cfg.local_prefill_queue),
     )
     declare_model(options.model)
 
