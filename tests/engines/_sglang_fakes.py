@@ -149,7 +149,8 @@ class Record:
             bound.apply_defaults()
             self.__dict__.update(bound.arguments)
 
-        return type(name, (), {"__init__": __init__})
+        # The recorded signature too, so the backend can inspect the fields as on the real one.
+        return type(name, (), {"__init__": __init__, "__signature__": sig})
 
     def fake_exception(self, name: str) -> type[Exception] | None:
         """A stand-in for an SGLang exception class (its recorded bases); None where absent."""

@@ -105,6 +105,14 @@ _SHUTDOWN_DRAIN_S = 2.0  # cleanup: how long in-flight streams get to end after 
 _RELEASE_IDLE_WAIT_S = 10.0
 
 
+def _takes_trace_header(struct: Callable[..., Any]) -> bool:
+    """Whether SGLang's request struct takes a W3C trace context (``external_trace_header``)."""
+    try:
+        return "external_trace_header" in inspect.signature(struct).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class SGLangEngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of the backend's state (the engine contract's ``EngineStatistics``; SGLang's
     own counts come from its metrics)."""
@@ -396,7 +404,10 @@ class SGLangEngine:
             raise InvalidRequest("token_ids is empty")
         api = self._api
         assert api is not None and self._stream_config is not None
-        obj = api.EmbeddingReqInput(input_ids=list(request.token_ids), rid=request.rid)
+        extra: dict[str, Any] = {}
+        if request.traceparent is not None and _takes_trace_header(api.EmbeddingReqInput):
+            extra["external_trace_header"] = {"traceparent": request.traceparent}
+        obj = api.EmbeddingReqInput(input_ids=list(request.token_ids), rid=request.rid, **extra)
         return EmbedStream(self, self._tm, request, obj, self._stream_config.aborted_errors)
 
     def learned_dimensions(self, dim: int) -> None:
