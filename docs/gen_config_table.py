@@ -55,6 +55,8 @@ RUNTIME_DEFAULTS: dict[str, str] = {
     "ssl_keyfile": "none",
     "image_dir": "`~/.cache/actorserve/images`",
     "otlp_endpoint": "none: no tracing",
+    "max_prefill_workers": "none: no bound",
+    "max_decode_workers": "none: no bound",
 }
 
 #: What the config-file fields without a command-line option mean (and ``engine_args``, whose

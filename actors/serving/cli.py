@@ -141,6 +141,15 @@ def run(
     min_decode_workers: Annotated[
         int | None, typer.Option(help="Fewest decode (or aggregated) workers a scale-down leaves.")
     ] = None,
+    max_prefill_workers: Annotated[
+        int | None, typer.Option(help="Most prefill workers a scale-up leaves (default: no bound).")
+    ] = None,
+    max_decode_workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Most decode (or aggregated) workers a scale-up leaves (default: no bound)."
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="HTTP host (loopback by default).")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port.")] = None,
     router: Annotated[
@@ -288,6 +297,8 @@ def run(
         "decode_workers": decode_workers,
         "min_prefill_workers": min_prefill_workers,
         "min_decode_workers": min_decode_workers,
+        "max_prefill_workers": max_prefill_workers,
+        "max_decode_workers": max_decode_workers,
         "host": host,
         "port": port,
         "router": router,

@@ -1,7 +1,8 @@
 """Pools that change size at run time: a worker added under streaming load serves and fails
 nothing; one removed with requests in flight hands them over (live KV migration), none cut; a
-pool never goes below its minimum; a worker whose engine fails to start is not counted; the
-control API's route; the tree, the routing table and the metrics follow every change."""
+pool stays between its minimum and its maximum; a worker whose engine fails to start is not
+counted; the control API's route; the tree, the routing table and the metrics follow every
+change."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import anyio
 import httpx
 import pytest
 
+from actors.serving import ServeConfig
 from actors.serving.root._control_api import control_app
 from actors.serving.root._lifecycle import LifecycleError, WorkerStates
 from actors.serving.root._scale import ScaleDown, ScaleRefused, ScaleTo, ScaleUp
@@ -128,9 +130,33 @@ async def test_scale_down_with_requests_in_flight_cuts_no_stream() -> None:
         assert _size("decode") == 2
 
 
-async def test_a_pool_never_goes_below_its_minimum() -> None:
-    async with serving_tree(mode="aggregated", decode_workers=2, min_decode_workers=2) as tree:
+@pytest.mark.parametrize(
+    ("bounds", "message"),
+    [
+        ({"min_decode_workers": 0}, "at least 1"),
+        ({"min_decode_workers": 3}, "at most the pool's starting size"),
+        ({"max_decode_workers": 1}, r"max_decode_workers \(1\) must be at least"),
+        ({"mode": "disaggregated", "max_prefill_workers": 0}, "max_prefill_workers"),
+    ],
+)
+def test_bounds_outside_the_starting_size_are_refused(bounds: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServeConfig(backend="mock", decode_workers=2, **bounds)
+
+
+async def test_a_pool_stays_between_its_minimum_and_its_maximum() -> None:
+    async with serving_tree(
+        mode="aggregated", decode_workers=2, min_decode_workers=2, max_decode_workers=3
+    ) as tree:
         refused = _scales("decode", "down", "refused")
+        refused_up = _scales("decode", "up", "refused")
+        # Up by two would pass the maximum: refused whole, nothing started.
+        with pytest.raises(ScaleRefused, match="may not go above 3"):
+            await tree.lifecycle.ask(ScaleUp("decode", 2), timeout=None)
+        with pytest.raises(ScaleRefused, match="may not go above 3"):
+            await tree.lifecycle.ask(ScaleTo("decode", 4), timeout=None)
+        assert _scales("decode", "up", "refused") == refused_up + 2
+        assert list(tree.serving.model().roles) == ["decode-0", "decode-1"]
         with pytest.raises(ScaleRefused, match="may not go below 2"):
             await tree.lifecycle.ask(ScaleDown("decode"), timeout=None)
         with pytest.raises(ScaleRefused, match="may not go below 2"):
@@ -138,6 +164,8 @@ async def test_a_pool_never_goes_below_its_minimum() -> None:
         with pytest.raises(ScaleRefused, match="no 'prefill' pool"):
             await tree.lifecycle.ask(ScaleUp("prefill"), timeout=None)
         await tree.lifecycle.ask(ScaleUp("decode"), timeout=None)
+        with pytest.raises(ScaleRefused, match="may not go above 3"):
+            await tree.lifecycle.ask(ScaleUp("decode"), timeout=None)
         with pytest.raises(ScaleRefused, match="'ghost' is no worker of the decode pool"):
             await tree.lifecycle.ask(ScaleDown("decode", "ghost"), timeout=None)
         # Down to its minimum by name, and no further.

@@ -62,6 +62,9 @@ class ModelConfig:
     # A scale-down never leaves a pool smaller than this (a pool of none serves nothing).
     min_prefill_workers: int = 1
     min_decode_workers: int = 1
+    # The most workers a scale-up leaves in a pool (None: no bound).
+    max_prefill_workers: int | None = None
+    max_decode_workers: int | None = None
     engine_args: dict[str, Any] = attrs.field(factory=dict)
     # Per-role engine args, over ``engine_args`` (aggregated workers take the decode ones).
     prefill_engine_args: dict[str, Any] = attrs.field(factory=dict)
@@ -115,6 +118,13 @@ class ModelConfig:
                 "a pool's minimum (min_decode_workers, min_prefill_workers) must be at least 1 "
                 "and at most the pool's starting size"
             )
+        for field, start in (
+            ("max_prefill_workers", self.prefill_workers),
+            ("max_decode_workers", self.decode_workers),
+        ):
+            bound = getattr(self, field)
+            if bound is not None and bound < start:
+                raise ValueError(f"{field} ({bound}) must be at least the pool's starting size")
         if self.migration_limit < 0:
             raise ValueError("migration_limit must be >= 0")
         if self.quarantine_cooldown < 0:

@@ -190,6 +190,15 @@ class Scaler:
     # -- up ------------------------------------------------------------------------------------
 
     async def _up(self, model: ModelServing, pool: Pool, n: int, added: list[str]) -> None:
+        workers = len(model.pool_workers(pool))
+        maximum = model.max_workers(pool)
+        if maximum is not None and workers + n > maximum:
+            self._record(model, pool, "up", "refused", workers=workers, maximum=maximum)
+            raise ScaleRefused(
+                f"the {pool} pool of {model.name!r} has {workers} "
+                f"worker{'' if workers == 1 else 's'} and may not go above {maximum} "
+                f"(--max-{pool}-workers)"
+            )
         for _ in range(n):
             try:
                 added.append(await self._add(model, pool))

@@ -120,6 +120,12 @@ class ModelServing:
         cfg = self.config
         return cfg.min_prefill_workers if pool == "prefill" else cfg.min_decode_workers
 
+    def max_workers(self, pool: str) -> int | None:
+        """The most workers a scale-up leaves in ``pool`` (``None``: no bound)."""
+        self.pool_role(pool)
+        cfg = self.config
+        return cfg.max_prefill_workers if pool == "prefill" else cfg.max_decode_workers
+
     def next_worker_id(self, pool: str) -> str:
         """The first id of ``pool``'s pattern (``decode-<i>``) no worker has."""
         self.pool_role(pool)
