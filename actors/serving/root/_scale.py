@@ -126,14 +126,14 @@ class Scaler:
             case ScaleUp(n=n):
                 await self._up(model, pool, n, added)
             case ScaleDown(worker=worker, n=n):
-                self._check_minimum(model, pool, n)
+                self._check_bounds(model, pool, -n)
                 await self._down(model, pool, [None] * n if worker is None else [worker], removed)
             case ScaleTo(size=size):
                 now = len(model.pool_workers(pool))
                 if size > now:
                     await self._up(model, pool, size - now, added)
                 elif size < now:
-                    self._check_minimum(model, pool, now - size)
+                    self._check_bounds(model, pool, size - now)
                     await self._down(model, pool, [None] * (now - size), removed)
         return {
             "model": model.name,
@@ -151,16 +151,24 @@ class Scaler:
             raise ScaleRefused(str(exc)) from None
         return model, "prefill" if pool == "prefill" else "decode"
 
-    def _check_minimum(self, model: ModelServing, pool: Pool, removing: int) -> None:
-        workers = model.pool_workers(pool)
-        minimum = model.min_workers(pool)
-        if len(workers) - removing < minimum:
-            self._record(model, pool, "down", "refused", workers=len(workers), minimum=minimum)
-            raise ScaleRefused(
-                f"the {pool} pool of {model.name!r} has {len(workers)} "
-                f"worker{'' if len(workers) == 1 else 's'} and may not go below {minimum} "
-                f"(--min-{pool}-workers)"
-            )
+    def _check_bounds(self, model: ModelServing, pool: Pool, change: int) -> None:
+        """Refuse adding (``change`` > 0) or removing workers past ``pool``'s bounds, before
+        anything changes."""
+        workers = len(model.pool_workers(pool))
+        minimum, maximum = model.bounds(pool)
+        if change < 0 and workers + change < minimum:
+            direction: Direction = "down"
+            side, bound, word = "min", minimum, "below"
+        elif change > 0 and maximum is not None and workers + change > maximum:
+            direction, side, bound, word = "up", "max", maximum, "above"
+        else:
+            return
+        self._record(model, pool, direction, "refused", workers=workers, **{f"{side}imum": bound})
+        raise ScaleRefused(
+            f"the {pool} pool of {model.name!r} has {workers} "
+            f"worker{'' if workers == 1 else 's'} and may not go {word} {bound} "
+            f"(--{side}-{pool}-workers)"
+        )
 
     def _record(
         self, model: ModelServing, pool: Pool, direction: Direction, outcome: Outcome, **fields: Any
@@ -190,15 +198,7 @@ class Scaler:
     # -- up ------------------------------------------------------------------------------------
 
     async def _up(self, model: ModelServing, pool: Pool, n: int, added: list[str]) -> None:
-        workers = len(model.pool_workers(pool))
-        maximum = model.max_workers(pool)
-        if maximum is not None and workers + n > maximum:
-            self._record(model, pool, "up", "refused", workers=workers, maximum=maximum)
-            raise ScaleRefused(
-                f"the {pool} pool of {model.name!r} has {workers} "
-                f"worker{'' if workers == 1 else 's'} and may not go above {maximum} "
-                f"(--max-{pool}-workers)"
-            )
+        self._check_bounds(model, pool, n)
         for _ in range(n):
             try:
                 added.append(await self._add(model, pool))
@@ -253,7 +253,7 @@ class Scaler:
                 f"{worker!r} is no worker of the {pool} pool of {model.name!r} "
                 f"(workers: {', '.join(workers)})"
             )
-        self._check_minimum(model, pool, 1)
+        self._check_bounds(model, pool, -1)
         fields = {"model": model.name, "pool": pool, "worker": worker}
         supervisor = await self._supervisor(model, pool)
         entry = model.table.workers.get(worker)

@@ -114,17 +114,14 @@ class ModelServing:
         role = self.pool_role(pool)
         return [wid for wid, r in self.roles.items() if r == role]
 
-    def min_workers(self, pool: str) -> int:
-        """The fewest workers a scale-down leaves in ``pool``."""
+    def bounds(self, pool: str) -> tuple[int, int | None]:
+        """The fewest workers a scale-down leaves in ``pool``, and the most a scale-up leaves
+        (``None``: no bound)."""
         self.pool_role(pool)
         cfg = self.config
-        return cfg.min_prefill_workers if pool == "prefill" else cfg.min_decode_workers
-
-    def max_workers(self, pool: str) -> int | None:
-        """The most workers a scale-up leaves in ``pool`` (``None``: no bound)."""
-        self.pool_role(pool)
-        cfg = self.config
-        return cfg.max_prefill_workers if pool == "prefill" else cfg.max_decode_workers
+        if pool == "prefill":
+            return cfg.min_prefill_workers, cfg.max_prefill_workers
+        return cfg.min_decode_workers, cfg.max_decode_workers
 
     def next_worker_id(self, pool: str) -> str:
         """The first id of ``pool``'s pattern (``decode-<i>``) no worker has."""
