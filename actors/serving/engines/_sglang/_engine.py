@@ -105,14 +105,6 @@ _SHUTDOWN_DRAIN_S = 2.0  # cleanup: how long in-flight streams get to end after 
 _RELEASE_IDLE_WAIT_S = 10.0
 
 
-def _takes_trace_header(struct: Callable[..., Any]) -> bool:
-    """Whether SGLang's request struct takes a W3C trace context (``external_trace_header``)."""
-    try:
-        return "external_trace_header" in inspect.signature(struct).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class SGLangEngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of the backend's state (the engine contract's ``EngineStatistics``; SGLang's
     own counts come from its metrics)."""
@@ -178,6 +170,7 @@ class SGLangEngine:
                 raise ValueError("is_embedding=False contradicts kind 'embedding'")
             self._args["is_embedding"] = True
         self._embed_dim: int | None = None  # an embedding model's vector length, once seen
+        self._embed_trace_header = False  # EmbeddingReqInput takes external_trace_header
         self.role: Role = role
         self._bootstrap_host = bootstrap_host
         port = self._args.get("disaggregation_bootstrap_port")
@@ -253,6 +246,9 @@ class SGLangEngine:
         tm.auto_create_handle_loop()
         self._info = await server_info(engine, tm)
         params = frozenset(inspect.signature(engine.async_generate).parameters)
+        self._embed_trace_header = (
+            "external_trace_header" in inspect.signature(api.EmbeddingReqInput).parameters
+        )
         self._stream_config = StreamConfig(
             role=self.role,
             bootstrap_host=self._bootstrap_host,
@@ -405,7 +401,7 @@ class SGLangEngine:
         api = self._api
         assert api is not None and self._stream_config is not None
         extra: dict[str, Any] = {}
-        if request.traceparent is not None and _takes_trace_header(api.EmbeddingReqInput):
+        if request.traceparent is not None and self._embed_trace_header:
             extra["external_trace_header"] = {"traceparent": request.traceparent}
         obj = api.EmbeddingReqInput(input_ids=list(request.token_ids), rid=request.rid, **extra)
         return EmbedStream(self, self._tm, request, obj, self._stream_config.aborted_errors)
